@@ -1,0 +1,1 @@
+"""tunegate: envsdk."""
