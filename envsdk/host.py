@@ -1,0 +1,251 @@
+"""The RPC surface of one environment: method name + params in, JSON-friendly result out.
+
+:class:`EnvHost` is what runs inside the sandbox (driven by :mod:`envsdk._runner`); the same object can
+be used in-process through :class:`InProcessRunner` while writing an environment (no isolation at all --
+only for your own code). Methods:
+
+==================  =================================================  ===================================
+method              params                                             result
+==================  =================================================  ===================================
+``describe``        ``{}``                                             ``{"kind", "entrypoint", "tools",
+                                                                       "max_turns"}``
+``tasks``           ``{}``                                             ``[task, ...]``
+``reward_batch``    ``{"items": [{"task", "completion"}, ...]}``       ``[{"reward", "error"}, ...]``
+``group_reward``    ``{"task", "completions": [...]}``                 ``[{"reward", "error"}, ...]``
+``reset``           ``{"task", "episode_id"?}``                        ``{"episode_id", "observation",
+                                                                       "tools", "max_turns"}``
+``step``            ``{"episode_id", "assistant_message"}``            ``StepResult`` as a dict
+``close_episode``   ``{"episode_id"}``                                 ``null``
+``tools``           ``{}``                                             ``[schema, ...]``
+``call_tool``       ``{"name", "arguments", "episode_id"?}``           ``{"content", "error"}``
+==================  =================================================  ===================================
+
+Stdlib only: this module is imported by the sandboxed child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import Any
+
+from envsdk.env import Environment, MultiTurnEnv, SingleTurnEnv, ToolEnv, maybe_await
+from envsdk.types import RewardResult, StepResult, error_text
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteError(Exception):
+    """An RPC method failed as a whole (not one item of a batch)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def load_entrypoint(entrypoint: str) -> type[Environment]:
+    """Import ``module:Class`` and check it is an :class:`Environment` subclass."""
+    module_name, sep, attr = entrypoint.partition(":")
+    if not sep or not module_name or not attr:
+        raise RemoteError("entrypoint_error", f"entrypoint must look like 'module:Class', got {entrypoint!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise RemoteError("entrypoint_error", f"cannot import {module_name!r}: {error_text(exc)}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RemoteError("entrypoint_error", f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        raise RemoteError(
+            "entrypoint_error",
+            f"{entrypoint} is not a SingleTurnEnv, MultiTurnEnv or ToolEnv subclass",
+        )
+    if obj in (Environment, SingleTurnEnv, MultiTurnEnv, ToolEnv):
+        raise RemoteError("entrypoint_error", f"{entrypoint} is a base class; subclass it")
+    return obj
+
+
+class EnvHost:
+    """Dispatches RPC calls to one environment class (one instance per multi-turn episode)."""
+
+    def __init__(
+        self,
+        env_cls: type[Environment],
+        config: dict[str, Any] | None = None,
+        *,
+        entrypoint: str = "",
+        max_turns: int | None = None,
+    ) -> None:
+        self.env_cls = env_cls
+        self.config = dict(config or {})
+        self.entrypoint = entrypoint or f"{env_cls.__module__}:{env_cls.__qualname__}"
+        class_turns = getattr(env_cls, "max_turns", None)
+        limits = [t for t in (class_turns, max_turns) if isinstance(t, int) and t > 0]
+        self.max_turns = min(limits) if limits else None
+        self._shared: Environment | None = None
+        self._episodes: dict[str, tuple[MultiTurnEnv, int]] = {}
+        self._next_episode = 0
+
+    @classmethod
+    def from_entrypoint(
+        cls, entrypoint: str, config: dict[str, Any] | None = None, *, max_turns: int | None = None
+    ) -> EnvHost:
+        return cls(load_entrypoint(entrypoint), config, entrypoint=entrypoint, max_turns=max_turns)
+
+    @property
+    def shared(self) -> Environment:
+        """The instance used for stateless calls (rewards, tasks, schemas)."""
+        if self._shared is None:
+            self._shared = self.env_cls(self.config)
+        return self._shared
+
+    async def handle(self, method: str, params: dict[str, Any]) -> Any:
+        handler = getattr(self, f"rpc_{method}", None)
+        if handler is None:
+            raise RemoteError("unknown_method", f"unknown method {method!r}")
+        return await handler(**params)
+
+    # -- description -------------------------------------------------------------------------------
+    async def rpc_describe(self) -> dict[str, Any]:
+        return {
+            "kind": self.env_cls.kind,
+            "entrypoint": self.entrypoint,
+            "tools": await self.rpc_tools(),
+            "max_turns": self.max_turns if issubclass(self.env_cls, MultiTurnEnv) else None,
+        }
+
+    async def rpc_tasks(self) -> list[dict[str, Any]]:
+        return list(await maybe_await(self.shared.tasks()))
+
+    async def rpc_tools(self) -> list[dict[str, Any]]:
+        env = self.shared
+        return env.tool_schemas() if isinstance(env, MultiTurnEnv) else []
+
+    # -- single turn -------------------------------------------------------------------------------
+    def _single(self) -> SingleTurnEnv:
+        env = self.shared
+        if not isinstance(env, SingleTurnEnv):
+            raise RemoteError("wrong_kind", f"{self.entrypoint} is {env.kind}, not single_turn")
+        return env
+
+    async def _one_reward(self, env: SingleTurnEnv, task: Any, completion: Any) -> dict[str, Any]:
+        try:
+            value = float(await maybe_await(env.reward(task, completion)))
+            return RewardResult(value).to_dict()
+        except Exception as exc:
+            return RewardResult(None, error_text(exc)).to_dict()
+
+    async def rpc_reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        env = self._single()
+        coros = [self._one_reward(env, item.get("task") or {}, item.get("completion", "")) for item in items]
+        return list(await asyncio.gather(*coros))
+
+    async def rpc_group_reward(self, task: dict[str, Any], completions: list[Any]) -> list[dict[str, Any]]:
+        env = self._single()
+        try:
+            values = list(await maybe_await(env.group_reward(task, completions)))
+            if len(values) != len(completions):
+                raise ValueError(f"group_reward returned {len(values)} rewards for {len(completions)}")
+            return [RewardResult(float(v)).to_dict() for v in values]
+        except Exception as exc:
+            return [RewardResult(None, error_text(exc)).to_dict() for _ in completions]
+
+    # -- multi turn --------------------------------------------------------------------------------
+    async def rpc_reset(self, task: dict[str, Any], episode_id: str | None = None) -> dict[str, Any]:
+        if not issubclass(self.env_cls, MultiTurnEnv):
+            raise RemoteError("wrong_kind", f"{self.entrypoint} is {self.env_cls.kind}, not multi-turn")
+        if episode_id is None:
+            self._next_episode += 1
+            episode_id = f"ep-{self._next_episode}"
+        env = self.env_cls(self.config)
+        assert isinstance(env, MultiTurnEnv)
+        try:
+            observation = list(await maybe_await(env.reset(task)))
+        except Exception as exc:
+            raise RemoteError("env_error", f"reset failed: {error_text(exc)}") from exc
+        self._episodes[episode_id] = (env, 0)
+        return {
+            "episode_id": episode_id,
+            "observation": observation,
+            "tools": env.tool_schemas(),
+            "max_turns": self.max_turns,
+        }
+
+    async def rpc_step(self, episode_id: str, assistant_message: dict[str, Any]) -> dict[str, Any]:
+        if episode_id not in self._episodes:
+            raise RemoteError("unknown_episode", f"no open episode {episode_id!r}")
+        env, turns = self._episodes[episode_id]
+        turns += 1
+        try:
+            result = await maybe_await(env.step(assistant_message))
+            if isinstance(result, dict):
+                result = StepResult.from_dict(result)
+            if not isinstance(result, StepResult):
+                raise TypeError(f"step() must return a StepResult, got {type(result).__name__}")
+        except Exception as exc:
+            result = StepResult(observation=[], reward=0.0, done=True, error=error_text(exc))
+        if not result.done and self.max_turns is not None and turns >= self.max_turns:
+            result.done = True
+            result.info = {**result.info, "stop_reason": "max_turns"}
+        if result.done:
+            self._episodes.pop(episode_id, None)
+        else:
+            self._episodes[episode_id] = (env, turns)
+        return result.to_dict()
+
+    async def rpc_close_episode(self, episode_id: str) -> None:
+        self._episodes.pop(episode_id, None)
+
+    async def rpc_call_tool(
+        self, name: str, arguments: dict[str, Any] | str, episode_id: str | None = None
+    ) -> dict[str, Any]:
+        env = self._episodes[episode_id][0] if episode_id in self._episodes else self.shared
+        if not isinstance(env, ToolEnv):
+            raise RemoteError("wrong_kind", f"{self.entrypoint} has no tools")
+        try:
+            return {"content": await env.call_tool(name, arguments), "error": None}
+        except Exception as exc:
+            return {"content": None, "error": error_text(exc)}
+
+
+class InProcessRunner:
+    """Runs an :class:`EnvHost` in the calling process with the same ``call`` API as the sandbox.
+
+    No isolation whatsoever: for unit tests and for authoring your own environment.
+    """
+
+    def __init__(
+        self, env: type[Environment] | str, config: dict[str, Any] | None = None, *, max_turns: int | None = None
+    ) -> None:
+        if isinstance(env, str):
+            self.host = EnvHost.from_entrypoint(env, config, max_turns=max_turns)
+        else:
+            self.host = EnvHost(env, config, max_turns=max_turns)
+        self._loop = asyncio.new_event_loop()
+
+    def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        return self._loop.run_until_complete(self.host.handle(method, params or {}))
+
+    async def acall(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        return await self.host.handle(method, params or {})
+
+    def reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.call("reward_batch", {"items": items})
+        return result
+
+    def describe(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.call("describe", {})
+        return result
+
+    def close(self) -> None:
+        self._loop.close()
+
+    def __enter__(self) -> InProcessRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,103 @@
+"""``environment.toml``: the manifest of an environment package, validated with pydantic.
+
+::
+
+    name = "arithmetic"
+    version = "0.1.0"
+    entrypoint = "arithmetic_env:ArithmeticEnv"
+    description = "Exact-answer arithmetic."
+
+    [limits]
+    timeout_s = 30      # wall-clock seconds per call into the sandbox
+    memory_mb = 1024    # address space (RLIMIT_AS)
+    cpu_s = 120         # CPU seconds for the sandbox's life (RLIMIT_CPU)
+    max_turns = 8       # multi-turn episodes
+"""
+
+from __future__ import annotations
+
+import logging
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envsdk.errors import PackageError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "environment.toml"
+
+
+class Limits(BaseModel):
+    """Resource limits of one sandboxed environment process."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(30.0, gt=0, le=3600)
+    """Wall-clock seconds allowed per call (a whole batch is one call)."""
+    startup_timeout_s: float = Field(30.0, gt=0, le=600)
+    """Wall-clock seconds allowed to start the process and import the entrypoint."""
+    memory_mb: int = Field(1024, ge=64, le=65536)
+    """Address-space limit (RLIMIT_AS) in MiB."""
+    cpu_s: int = Field(600, ge=1, le=86400)
+    """CPU seconds for the process's whole life (RLIMIT_CPU)."""
+    max_turns: int = Field(8, ge=1, le=1000)
+    """Most assistant turns per multi-turn episode."""
+    nproc: int = Field(32, ge=1, le=4096)
+    """Processes/threads the sandbox's uid may own (RLIMIT_NPROC)."""
+    nofile: int = Field(256, ge=16, le=65536)
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    fsize_mb: int = Field(64, ge=1, le=65536)
+    """Largest file the sandbox may write (RLIMIT_FSIZE), in MiB."""
+
+    def capped(self, ceiling: Limits) -> Limits:
+        """These limits, each lowered to at most ``ceiling``'s (an operator's maxima)."""
+        values = {name: min(getattr(self, name), getattr(ceiling, name)) for name in type(self).model_fields}
+        return Limits(**values)
+
+
+class Manifest(BaseModel):
+    """The parsed ``environment.toml``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    """Package name: letters, digits, ``_ . -``; at most 64 characters."""
+    version: str = Field(pattern=r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,31}$")
+    """Free-form version string such as ``0.1.0``."""
+    entrypoint: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+    """``module:Class`` -- the environment class, importable from the package directory."""
+    description: str = Field("", max_length=2000)
+    """One-paragraph description."""
+    limits: Limits = Field(default_factory=Limits)  # type: ignore[arg-type]
+    """Resource limits (each capped by the operator's maxima)."""
+    config: dict[str, object] = Field(default_factory=dict)
+    """Default config passed to the environment (a job's ``config`` overrides keys)."""
+
+
+def parse_manifest(text: str) -> Manifest:
+    """Parse and validate manifest text; raises :class:`PackageError` (``invalid_manifest``)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PackageError(f"{MANIFEST_NAME} is not valid TOML: {exc}", "invalid_manifest") from exc
+    try:
+        return Manifest.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise PackageError(f"invalid {MANIFEST_NAME}: {problems}", "invalid_manifest") from exc
+
+
+def load_manifest(package_dir: Path) -> Manifest:
+    """Read ``environment.toml`` from a package directory (which must not be a symlink)."""
+    path = Path(package_dir) / MANIFEST_NAME
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise PackageError(f"{MANIFEST_NAME} must be a regular file", "invalid_manifest")
+    if not path.exists():
+        raise PackageError(f"{MANIFEST_NAME} not found in the package", "missing_manifest")
+    if path.stat().st_size > 64 * 1024:
+        raise PackageError(f"{MANIFEST_NAME} is larger than 64 KiB", "invalid_manifest")
+    return parse_manifest(path.read_text(encoding="utf-8", errors="replace"))

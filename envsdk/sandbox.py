@@ -1,0 +1,468 @@
+"""Run an environment package, untrusted code, in an isolated process and talk to it in JSON lines.
+
+Isolation (the ``bwrap`` backend, bubblewrap):
+
+* its own network namespace (only a down loopback: no network at all), PID, IPC and UTS namespaces;
+* a new root holding read-only binds of ``/usr`` (and the ``/lib*``, ``/bin`` links), the Python prefix,
+  envsdk's own source and the package (at ``/env``), a writable scratch directory (``/scratch``, also
+  ``/tmp``), a fresh ``/proc`` and a minimal ``/dev`` -- nothing else of the host: no blob store, no
+  database files, no other tenant's data, no ``/etc``;
+* a clean environment (``PATH``, ``HOME``, ``LANG``, ``TMPDIR``, ``PYTHONPATH`` only);
+* an unprivileged uid: as root, bubblewrap runs without a user namespace and the child drops to a uid of
+  its own before importing user code (inside a user namespace the host uid would stay 0, and the kernel
+  does not apply ``RLIMIT_NPROC`` to root); as another user, ``--unshare-all --uid 65534``;
+* rlimits on address space, CPU seconds, open files, processes and file size, set by the child before it
+  imports user code;
+* a wall-clock timeout per call; on timeout, death or a garbled channel the whole process group is killed
+  (``--die-with-parent`` takes the sandbox's PID namespace with it), and :meth:`Sandbox.start` may be
+  called again.
+
+The ``unshare`` backend (util-linux, as root) is the fallback when bubblewrap is missing: network and PID
+namespaces, rlimits and the dropped uid, but the host filesystem stays visible to that uid. With neither
+available the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import envsdk
+from envsdk.errors import SandboxError
+from envsdk.manifest import Limits, load_manifest
+
+logger = logging.getLogger(__name__)
+
+MAX_LINE = 64 * 1024 * 1024
+STDERR_KEEP = 16 * 1024
+ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
+SANDBOX_PYTHONPATH = "/opt/envsdk"
+_EOF = object()
+_probe_cache: dict[str, bool] = {}
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def base_python() -> Path:
+    """The base interpreter (not a venv's): the sandbox binds only its prefix, read-only."""
+    candidate = Path(getattr(sys, "_base_executable", "") or sys.executable)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for path in (Path(sys.base_prefix) / "bin" / version, candidate):
+        if path.exists():
+            return path.resolve()
+    return Path(sys.executable).resolve()
+
+
+def _root_links() -> list[str]:
+    """Recreate ``/bin``, ``/lib``... as on the host: links stay links, directories become ro-binds."""
+    args: list[str] = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        host = Path("/") / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), str(host)]
+    return args
+
+
+def _ro_bind(source: Path | str, dest: str) -> list[str]:
+    """``--ro-bind`` with world-traversable parents (bubblewrap makes missing parents 0700, and the
+    sandbox's uid is not their owner)."""
+    args: list[str] = []
+    for parent in reversed(Path(dest).parents):
+        if str(parent) != "/":
+            args += ["--perms", "0755", "--dir", str(parent)]
+    return args + ["--ro-bind", str(source), dest]
+
+
+def _bwrap_namespace_args() -> list[str]:
+    common = ["--die-with-parent", "--new-session"]
+    if _is_root():
+        # No user namespace: the host uid must become non-root for RLIMIT_NPROC to hold; the child drops
+        # privileges itself with exactly these two capabilities (lost on setuid; no_new_privs is set).
+        return common + [
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+        ]
+    return common + ["--unshare-all", "--uid", "65534", "--gid", "65534"]
+
+
+def probe_backend(name: str) -> bool:
+    """Whether backend ``name`` (``bwrap``, ``unshare``, ``none``) works on this machine (cached)."""
+    if name == "none":
+        return True
+    if name in _probe_cache:
+        return _probe_cache[name]
+    ok = False
+    try:
+        if name == "bwrap" and shutil.which("bwrap"):
+            cmd = ["bwrap", *_root_links(), "--proc", "/proc", "--dev", "/dev", *_bwrap_namespace_args(), "true"]
+            ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+        elif name == "unshare" and shutil.which("unshare") and _is_root():
+            cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "true"]
+            ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("sandbox backend %s probe failed: %s", name, exc)
+    _probe_cache[name] = ok
+    logger.info("sandbox backend %s: %s", name, "available" if ok else "unavailable")
+    return ok
+
+
+def detect_backend(*, allow_unsandboxed: bool = False) -> str:
+    """The best working backend: ``bwrap``, else ``unshare``, else ``none`` if allowed."""
+    for name in ("bwrap", "unshare"):
+        if probe_backend(name):
+            return name
+    if allow_unsandboxed:
+        logger.warning("no sandbox backend available: running environment code UNSANDBOXED")
+        return "none"
+    raise SandboxError(
+        "unavailable",
+        "no sandbox backend works here (install bubblewrap: apt-get install bubblewrap); "
+        "pass allow_unsandboxed=True only on a development machine",
+    )
+
+
+def _allocate_uid() -> int:
+    """A uid of its own for this sandbox (so that RLIMIT_NPROC counts only this sandbox's processes)."""
+    return 200_000 + secrets.randbelow(800_000)
+
+
+class Sandbox:
+    """One sandboxed environment process.
+
+    ``package_dir`` holds ``environment.toml`` and the code. ``config`` overrides the manifest's default
+    config; ``limits`` replaces the manifest's limits (the caller caps them). Sync API; ``acall`` and
+    friends run the same calls in a thread for asyncio callers. One call at a time per sandbox.
+    """
+
+    def __init__(
+        self,
+        package_dir: Path,
+        *,
+        config: dict[str, Any] | None = None,
+        limits: Limits | None = None,
+        allow_unsandboxed: bool = False,
+        backend: str | None = None,
+        entrypoint: str | None = None,
+    ) -> None:
+        self.package_dir = Path(package_dir).resolve()
+        manifest = load_manifest(self.package_dir)
+        self.manifest = manifest
+        self.entrypoint = entrypoint or manifest.entrypoint
+        self.config = {**manifest.config, **(config or {})}
+        self.limits = limits or manifest.limits
+        self.allow_unsandboxed = allow_unsandboxed
+        if backend == "none" and not allow_unsandboxed:
+            raise SandboxError("unsandboxed_refused", "backend 'none' needs allow_unsandboxed=True")
+        if backend not in (None, "bwrap", "unshare", "none"):
+            raise ValueError(f"unknown sandbox backend {backend!r}")
+        self.requested_backend = backend
+        self.backend: str | None = None
+        self.uid: int | None = None
+        self.info: dict[str, Any] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lines: queue.Queue[Any] = queue.Queue()
+        self._stderr: collections.deque[bytes] = collections.deque()
+        self._stderr_size = 0
+        self._scratch: Path | None = None
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def _command(self, backend: str, scratch: Path, uid: int | None) -> list[str]:
+        limits = self.limits
+        rlimits = (
+            f"as={limits.memory_mb * 1024 * 1024},cpu={limits.cpu_s},nofile={limits.nofile},"
+            f"nproc={limits.nproc},fsize={limits.fsize_mb * 1024 * 1024},core=0"
+        )
+        python = base_python()
+        runner = [str(python), "-S", "-B", "-m", "envsdk._runner", "--rlimits", rlimits]
+        if uid is not None:
+            runner += ["--drop-uid", str(uid), "--drop-gid", str(uid)]
+        if backend == "bwrap":
+            prefix = Path(sys.base_prefix).resolve()
+            binds = _root_links()
+            if not str(prefix).startswith("/usr/"):
+                binds += _ro_bind(prefix, str(prefix))
+            if not str(python).startswith(("/usr/", str(prefix) + "/")):
+                binds += _ro_bind(python, str(python))
+            binds += _ro_bind(ENVSDK_SRC, f"{SANDBOX_PYTHONPATH}/envsdk")
+            binds += [
+                "--ro-bind", str(self.package_dir), "/env",
+                "--bind", str(scratch), "/scratch",
+                "--symlink", "/scratch", "/tmp",
+                "--proc", "/proc",
+                "--dev", "/dev",
+            ]  # fmt: skip
+            env = [
+                "--clearenv",
+                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
+                "--setenv", "HOME", "/scratch",
+                "--setenv", "TMPDIR", "/scratch",
+                "--setenv", "LANG", "C.UTF-8",
+                "--setenv", "PYTHONPATH", SANDBOX_PYTHONPATH,
+                "--chdir", "/scratch",
+            ]  # fmt: skip
+            return ["bwrap", *binds, *_bwrap_namespace_args(), *env, *runner, "/env"]
+        runner = [*runner, str(self.package_dir)]
+        if backend == "unshare":
+            return ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", *runner]
+        return runner
+
+    def _clean_env(self, backend: str, scratch: Path) -> dict[str, str]:
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if backend != "bwrap":
+            env.update(HOME=str(scratch), TMPDIR=str(scratch), PYTHONPATH=str(ENVSDK_SRC.parent))
+        return env
+
+    def start(self) -> dict[str, Any]:
+        """Start the process and load the entrypoint; returns ``describe``'s result."""
+        if self._proc is not None:
+            self.close()
+        backend = self.requested_backend or detect_backend(allow_unsandboxed=self.allow_unsandboxed)
+        if backend != "none" and not probe_backend(backend):
+            raise SandboxError("unavailable", f"sandbox backend {backend!r} does not work on this machine")
+        self.backend = backend
+        scratch = Path(tempfile.mkdtemp(prefix="envsdk-scratch-"))
+        self._scratch = scratch
+        self.uid = _allocate_uid() if _is_root() and backend != "none" else None
+        if self.uid is not None:
+            os.chown(scratch, self.uid, self.uid)
+        cmd = self._command(backend, scratch, self.uid)
+        logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
+        self._lines = queue.Queue()
+        self._stderr.clear()
+        self._stderr_size = 0
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=self._clean_env(backend, scratch),
+                cwd=str(scratch),
+                close_fds=True,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            self.close()
+            raise SandboxError("start_failed", f"cannot start the sandbox: {exc}") from exc
+        threading.Thread(target=self._read_stdout, args=(self._proc, self._lines), daemon=True).start()
+        threading.Thread(target=self._read_stderr, args=(self._proc,), daemon=True).start()
+        params = {"entrypoint": self.entrypoint, "config": self.config, "max_turns": self.limits.max_turns}
+        try:
+            self.info = self.call("init", params, timeout=self.limits.startup_timeout_s)
+        except SandboxError as exc:
+            self.close()
+            if exc.code == "crashed":
+                raise SandboxError("start_failed", exc.message) from exc
+            raise
+        return self.info
+
+    def close(self) -> None:
+        """Kill the process group and remove the scratch directory (idempotent)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            self._kill(proc)
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.error("sandbox process %s did not exit after SIGKILL", proc.pid)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> Sandbox:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- channel -----------------------------------------------------------------------------------
+    def _read_stdout(self, proc: subprocess.Popen[bytes], lines: queue.Queue[Any]) -> None:
+        assert proc.stdout is not None
+        try:
+            while True:
+                line = proc.stdout.readline(MAX_LINE)
+                if not line:
+                    break
+                lines.put(line)
+        except (OSError, ValueError):
+            pass
+        lines.put(_EOF)
+
+    def _read_stderr(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stderr is not None
+        try:
+            for line in iter(lambda: proc.stderr.readline(8192), b""):  # type: ignore[union-attr]
+                logger.debug("sandbox[%s] %s", self.entrypoint, line.rstrip().decode(errors="replace"))
+                self._stderr.append(line)
+                self._stderr_size += len(line)
+                while self._stderr_size > STDERR_KEEP and len(self._stderr) > 1:
+                    self._stderr_size -= len(self._stderr.popleft())
+        except (OSError, ValueError):
+            pass
+
+    def stderr_tail(self, limit: int = 2000) -> str:
+        """The last ``limit`` characters the sandbox wrote to stderr (user prints and tracebacks)."""
+        return b"".join(self._stderr).decode(errors="replace")[-limit:]
+
+    def _died(self, proc: subprocess.Popen[bytes]) -> SandboxError:
+        try:
+            rc = proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            rc = None
+        time.sleep(0.05)  # let the stderr reader catch the last lines
+        tail = self.stderr_tail()
+        sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else None)
+        if "MemoryError" in tail or "Cannot allocate memory" in tail:
+            code, what = "memory", "ran out of its memory limit"
+        elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and "CPU" in tail):
+            code, what = "cpu_limit", "used up its CPU-time limit"
+        else:
+            code, what = "crashed", f"exited (status {rc})"
+        return SandboxError(code, f"environment process {what}; stderr: {tail.strip()[-1000:] or '(empty)'}")
+
+    def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        """One request/response round trip. Raises :class:`SandboxError` (the process is killed on
+        ``timeout``/``crashed``/``memory``/``protocol_error``; a ``remote_error`` leaves it running)."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.stdin is None:
+                raise SandboxError("not_running", "the sandbox is not running; call start()")
+            self._next_id += 1
+            rid = self._next_id
+            request = json.dumps({"id": rid, "method": method, "params": params or {}}).encode() + b"\n"
+            try:
+                proc.stdin.write(request)
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                error = self._died(proc)
+                self.close()
+                raise error from None
+            deadline = time.monotonic() + (timeout if timeout is not None else self.limits.timeout_s)
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                raise SandboxError(
+                    "timeout", f"{method} did not answer within {timeout or self.limits.timeout_s:g} s"
+                ) from None
+            if line is _EOF:
+                error = self._died(proc)
+                self.close()
+                raise error
+            try:
+                response = json.loads(line)
+                if not isinstance(response, dict) or response.get("id") != rid:
+                    raise ValueError(f"expected a response to request {rid}")
+            except ValueError as exc:
+                self.close()
+                raise SandboxError(
+                    "protocol_error",
+                    f"the environment wrote something else than an RPC answer on its channel "
+                    f"({exc}): {line[:200]!r}",
+                ) from None
+            if "error" in response and response["error"] is not None:
+                err = response["error"] if isinstance(response["error"], dict) else {}
+                code = str(err.get("code") or "remote_error")
+                if code == "protocol_error":
+                    self.close()
+                raise SandboxError(code, str(err.get("message") or "error"))
+            return response.get("result")
+
+    # -- typed helpers -----------------------------------------------------------------------------
+    def describe(self) -> dict[str, Any]:
+        """``{"kind", "entrypoint", "tools", "max_turns"}``."""
+        result: dict[str, Any] = self.call("describe")
+        return result
+
+    def tasks(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.call("tasks")
+        return result
+
+    def reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``[{"task", "completion"}, ...]`` -> ``[{"reward": float | None, "error": str | None}, ...]``."""
+        result: list[dict[str, Any]] = self.call("reward_batch", {"items": items})
+        return result
+
+    def group_reward(self, task: dict[str, Any], completions: list[Any]) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.call("group_reward", {"task": task, "completions": completions})
+        return result
+
+    def reset(self, task: dict[str, Any], episode_id: str | None = None) -> dict[str, Any]:
+        """Open an episode: ``{"episode_id", "observation", "tools", "max_turns"}``."""
+        params: dict[str, Any] = {"task": task}
+        if episode_id is not None:
+            params["episode_id"] = episode_id
+        result: dict[str, Any] = self.call("reset", params)
+        return result
+
+    def step(self, episode_id: str, assistant_message: dict[str, Any]) -> dict[str, Any]:
+        """``StepResult`` as a dict: ``{"observation", "reward", "done", "info", "error"}``."""
+        result: dict[str, Any] = self.call(
+            "step", {"episode_id": episode_id, "assistant_message": assistant_message}
+        )
+        return result
+
+    def tools(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self.call("tools")
+        return result
+
+    def call_tool(self, name: str, arguments: dict[str, Any] | str, episode_id: str | None = None) -> Any:
+        return self.call("call_tool", {"name": name, "arguments": arguments, "episode_id": episode_id})
+
+    # -- asyncio -----------------------------------------------------------------------------------
+    async def astart(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.start)
+
+    async def acall(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+        return await asyncio.to_thread(self.call, method, params, timeout=timeout)
+
+    async def areward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.reward_batch, items)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
