@@ -1,0 +1,124 @@
+"""Reward functions for GRPO: an OpenAI grader wrapped in TRL's reward-function signature, and the hook
+for environment packages.
+
+TRL calls ``reward(prompts, completions, completion_ids, trainer_state, log_extra, log_metric,
+**dataset_columns) -> list[float]``. Each completion becomes a grader ``sample`` and its dataset row (the
+original JSON row, kept in ``ITEM_COLUMN``) the grader's ``item``. Grading failures score 0 and are counted
+in the ``grader_error_rate`` metric, so a broken template shows up in the job's events instead of silently
+flattening the rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from trainer.config import TrainerSpec
+from trainer.data import ITEM_COLUMN
+from trainer.errors import TrainerError
+from trainer.graders import GraderError, GradeResult, grade, make_sample, validate_grader
+from trainer.inference_client import InferenceClient
+
+logger = logging.getLogger(__name__)
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+def completion_sample(completion: Any) -> dict[str, Any]:
+    """A grader ``sample`` from one TRL completion (a list of messages, or text)."""
+    if isinstance(completion, str):
+        return make_sample(completion)
+    messages = completion if isinstance(completion, list) else [completion]
+    text = "".join(str(m.get("content") or "") for m in messages if isinstance(m, dict))
+    tools = [tc for m in messages if isinstance(m, dict) for tc in (m.get("tool_calls") or [])]
+    sample = make_sample(text)
+    if tools:
+        sample["output_tools"] = [
+            {"type": "function", "function": tc.get("function", tc)} if isinstance(tc, dict) else tc
+            for tc in tools
+        ]
+    return sample
+
+
+def _uses_model(grader: dict[str, Any]) -> bool:
+    if grader.get("type") in ("score_model", "label_model"):
+        return True
+    subs = grader.get("graders")
+    values = subs.values() if isinstance(subs, dict) else subs if isinstance(subs, list) else []
+    return any(isinstance(s, dict) and _uses_model(s) for s in values)
+
+
+def grader_reward_name(grader: dict[str, Any]) -> str:
+    """The name TRL logs this reward under (``rewards/<name>/mean``)."""
+    name = str(grader.get("name") or grader.get("type") or "grader")
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "grader"
+
+
+def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
+    """Check ``spec.grader`` and wrap it as a TRL reward function."""
+    grader = spec.grader
+    if grader is None:
+        raise TrainerError("invalid_spec", "reinforcement with a grader needs spec.grader")
+    try:
+        validate_grader(grader)
+    except GraderError as exc:
+        code = exc.code if exc.code == "python_grader_unsupported" else "grader_error"
+        where = f" ({exc.param})" if exc.param else ""
+        raise TrainerError(code, f"invalid grader{where}: {exc.message}") from None
+    inference: InferenceClient | None = None
+    if _uses_model(grader):
+        if not spec.inference_base_url:
+            raise TrainerError("grader_error", "model graders need inference_base_url in the spec")
+        inference = InferenceClient(spec.inference_base_url, spec.inference_api_key)
+    pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="grader") if inference else None
+
+    def reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+        items_json = kwargs.get(ITEM_COLUMN) or ["{}"] * len(completions)
+        items = [json.loads(x) if isinstance(x, str) else dict(x or {}) for x in items_json]
+        samples = [completion_sample(c) for c in completions]
+
+        def one(i: int) -> GradeResult:
+            return grade(grader, samples[i], items[i], inference=inference)
+
+        results = list(pool.map(one, range(len(samples)))) if pool else [one(i) for i in range(len(samples))]
+        failed = [r for r in results if r.failed]
+        if failed:
+            logger.warning(
+                "%d of %d samples failed grading, e.g. %s",
+                len(failed),
+                len(results),
+                {k: v for k, v in failed[0].errors.items() if v},
+            )
+        log_metric = kwargs.get("log_metric")
+        if callable(log_metric):
+            log_metric("grader_error_rate", len(failed) / max(len(results), 1))
+        return [r.reward for r in results]
+
+    reward.__name__ = grader_reward_name(grader)
+    return reward
+
+
+def build_environment_reward(spec: TrainerSpec) -> RewardFunc:
+    """Reward from an uploaded environment package (``spec.environment``).
+
+    The sandboxed runner comes from ``envsdk``; until it offers one, jobs with an environment fail with
+    ``environment_unsupported``. This is the single place to connect it.
+    """
+    raise TrainerError(
+        "environment_unsupported",
+        "environment packages are not supported by this trainer yet; use a grader instead",
+    )
+
+
+def build_reward_funcs(spec: TrainerSpec) -> list[RewardFunc]:
+    """All reward functions of a reinforcement job (environment first, then the grader)."""
+    funcs: list[RewardFunc] = []
+    if spec.environment is not None:
+        funcs.append(build_environment_reward(spec))
+    if spec.grader is not None:
+        funcs.append(build_grader_reward(spec))
+    return funcs

@@ -1,0 +1,212 @@
+"""One training job: spec in, events out. ``main(spec, events, stop_requested)`` is the whole process.
+
+supervised -> TRL ``SFTTrainer``; dpo -> ``DPOTrainer``; reinforcement -> ``GRPOTrainer`` with grader
+rewards. All three train a LoRA adapter (``build_lora_config``) on the base model. On a CPU: float32,
+``use_cpu=True``, no gradient checkpointing; on CUDA: bf16 and, for reinforcement, vLLM when asked.
+Checkpoints land in ``output_dir/checkpoints/checkpoint-N`` (adapter files plus optimiser, scheduler and RNG
+state, so they both serve and resume); the final adapter in ``output_dir/adapter``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Hyperparameters, TrainerSpec
+from trainer.errors import TrainerError
+from trainer.events import EventWriter
+
+logger = logging.getLogger(__name__)
+
+
+def build_lora_config(hp: Hyperparameters):  # -> peft.LoraConfig
+    """The LoRA adapter every method trains: all attention and MLP projections of the base model."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=hp.lora_r,
+        lora_alpha=hp.lora_alpha,
+        lora_dropout=hp.lora_dropout,
+        target_modules="all-linear",
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _common_args(spec: TrainerSpec, on_cuda: bool) -> dict[str, Any]:
+    """TrainingArguments shared by the three methods."""
+    hp = spec.hyperparameters
+    return {
+        "output_dir": str(spec.checkpoints_dir),
+        "num_train_epochs": hp.n_epochs,
+        "max_steps": hp.max_steps if hp.max_steps is not None else -1,
+        "learning_rate": hp.learning_rate,
+        "lr_scheduler_type": "linear",
+        "logging_steps": 1,
+        "save_strategy": "steps",
+        "save_steps": hp.checkpoint_every,
+        "report_to": [],
+        "seed": spec.seed,
+        "data_seed": spec.seed,
+        "use_cpu": not on_cuda,
+        "bf16": on_cuda,
+        "gradient_checkpointing": False,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+
+
+def _check_base_model(path: str) -> None:
+    if not (Path(path) / "config.json").is_file():
+        raise TrainerError("invalid_model", f"base_model {path} is not a model folder (no config.json)")
+
+
+def _check_resume(path: str | None) -> int:
+    """The step a resume starts from; ``invalid_checkpoint`` for a folder this trainer did not write."""
+    if path is None:
+        return 0
+    state_file = Path(path) / "trainer_state.json"
+    try:
+        return int(json.loads(state_file.read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise TrainerError("invalid_checkpoint", f"{path} is not a resumable checkpoint") from None
+
+
+def _build_trainer(spec: TrainerSpec, model: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, on_cuda: bool):
+    hp = spec.hyperparameters
+    args = _common_args(spec, on_cuda)
+    peft_config = build_lora_config(hp)
+    if eval_ds is not None and spec.method != "reinforcement":
+        args.update(
+            eval_strategy="steps", eval_steps=hp.checkpoint_every, per_device_eval_batch_size=hp.batch_size
+        )
+    else:
+        eval_ds = None
+    if spec.method == "supervised":
+        from trl import SFTConfig, SFTTrainer
+
+        sft_config = SFTConfig(
+            **args,
+            per_device_train_batch_size=hp.batch_size,
+            max_length=hp.max_length,
+            assistant_only_loss=True,
+        )
+        return SFTTrainer(
+            model=model,
+            args=sft_config,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    if spec.method == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        dpo_config = DPOConfig(
+            **args, per_device_train_batch_size=hp.batch_size, beta=hp.beta, max_length=hp.max_length
+        )
+        return DPOTrainer(
+            model=model,
+            args=dpo_config,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.rewards import build_reward_funcs
+
+    reward_funcs: list[Any] = list(build_reward_funcs(spec))
+    vllm: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"} if (spec.use_vllm and on_cuda) else {}
+    grpo_config = GRPOConfig(
+        **args,
+        **vllm,
+        # One step = batch_size prompts x num_generations completions, all in one optimiser step.
+        per_device_train_batch_size=hp.batch_size * hp.num_generations,
+        num_generations=hp.num_generations,
+        max_completion_length=hp.max_completion_length,
+        temperature=hp.temperature,
+        beta=hp.kl_beta,
+        remove_unused_columns=False,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=grpo_config,
+        train_dataset=train_ds,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+
+
+def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event | None = None) -> int:
+    """Run one job and return the exit code (0: finished or stopped). Failures raise ``TrainerError``."""
+    stop_requested = stop_requested or threading.Event()
+    from trainer.data import load_dataset
+
+    _check_base_model(spec.base_model)
+    resume_step = _check_resume(spec.resume_from_checkpoint)
+    train_ds = load_dataset(spec.method, spec.training_file)
+    eval_ds = None
+    if spec.validation_file:
+        eval_ds = load_dataset(spec.method, spec.validation_file, code="invalid_validation_file")
+    if spec.method == "reinforcement":
+        from trainer.rewards import build_reward_funcs
+
+        build_reward_funcs(spec)  # fail on a bad grader before loading the model
+    events.message(f"Validated {len(train_ds)} training examples for {spec.method} job {spec.job_id}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from trainer.callbacks import EventCallback, read_checkpoint_tokens
+
+    on_cuda = torch.cuda.is_available()
+    if spec.use_vllm and not on_cuda:
+        events.message("use_vllm ignored: no CUDA device; generating with transformers", level="warn")
+    set_seed(spec.seed)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.base_model)
+        model = AutoModelForCausalLM.from_pretrained(
+            spec.base_model, dtype=torch.bfloat16 if on_cuda else torch.float32
+        )
+    except (OSError, ValueError) as exc:
+        raise TrainerError("invalid_model", f"cannot load base_model {spec.base_model}: {exc}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if spec.method == "reinforcement":
+        tokenizer.padding_side = "left"
+    n_params = sum(p.numel() for p in model.parameters())
+    events.message(f"Loaded model {Path(spec.base_model).name} ({n_params:,} parameters) on {model.device}")
+
+    trainer = _build_trainer(spec, model, tokenizer, train_ds, eval_ds, on_cuda)
+    callback = EventCallback(
+        events,
+        stop_requested=stop_requested,
+        tokens_offset=read_checkpoint_tokens(spec.resume_from_checkpoint)
+        if spec.resume_from_checkpoint
+        else 0,
+        tokens_restored_by_state=spec.method == "reinforcement",
+    )
+    trainer.add_callback(callback)
+    if spec.resume_from_checkpoint:
+        events.message(f"Resumed from step {resume_step}", step=resume_step)
+    trainer.train(resume_from_checkpoint=spec.resume_from_checkpoint)
+    step = trainer.state.global_step
+
+    if callback.stopped_at is not None:
+        events.message(f"stopped at step {step}", step=step)
+        events.stopped(step, callback.last_checkpoint)
+        return 0
+    events.message("Saving adapter", step=step)
+    adapter_dir = spec.adapter_dir
+    trainer.model.save_pretrained(str(adapter_dir))
+    metrics = dict(callback.last_metrics)
+    if "train_loss" in callback.summary:  # the mean over the whole run, beside the last step's loss
+        metrics["train_loss_mean"] = callback.summary["train_loss"]
+    events.result(str(adapter_dir.resolve()), callback.trained_tokens, step, metrics)
+    return 0
