@@ -1,0 +1,315 @@
+"""``/v1/chat/completions``: prompt rendering, tool calls, and OpenAI's response and chunk shapes.
+
+Messages and tools go through the model's own chat template (``apply_chat_template(tools=...)``). Tool
+calls follow the Qwen/Hermes convention the templates use:
+``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the output becomes ``tool_calls``. When
+``tool_choice`` forces a call (``"required"`` or a named function) the generation is prefixed with
+``<tool_call>\\n{"name": "<fn>", "arguments": `` so that even a weak model produces a well-formed call:
+only the arguments are generated, and they become ``{}`` if they do not parse as a JSON object.
+``response_format`` ``json_object`` is served the same way, best effort: the output is started with ``{``
+and ends as soon as the object is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference.engine import ChoiceEvent, GenerationRequest, ModelEngine
+from inference.errors import BadRequestError
+from inference.protocol import ChatCompletionRequest
+from inference.sampling import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _json_complete(text: str) -> bool:
+    """True once ``text`` holds a complete JSON value, or cannot start a JSON object any more."""
+    stripped = text.lstrip()
+    if not stripped:
+        return False
+    if stripped[0] != "{":
+        return True
+    try:
+        json.JSONDecoder().raw_decode(stripped)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_object(text: str) -> dict[str, Any] | None:
+    stripped = text.lstrip()
+    try:
+        value, _ = json.JSONDecoder().raw_decode(stripped)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages the chat template can render: text content, ``developer`` as ``system``, dict arguments."""
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool", "function"):
+            raise BadRequestError(f"Invalid role {role!r}.", param=f"messages[{i}].role")
+        msg = dict(message)
+        msg["role"] = {"developer": "system", "function": "tool"}.get(role, role)
+        content = msg.get("content")
+        if isinstance(content, list):
+            msg["content"] = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and part.get("type") == "text"
+            )
+        elif content is None:
+            msg["content"] = ""
+        calls = msg.get("tool_calls")
+        if calls:
+            fixed = []
+            for call in calls:
+                call = dict(call)
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = _parse_object(fn["arguments"]) or {}
+                call["function"] = fn
+                fixed.append(call)
+            msg["tool_calls"] = fixed
+        out.append(msg)
+    return out
+
+
+@dataclass
+class ChatPlan:
+    """How a chat request is generated and how its output is read back."""
+
+    prompt: str
+    prefix: str = ""
+    """Text the generation was forced to start with (part of the prompt)."""
+    forced_tool: str | None = None
+    parse_tools: bool = False
+    json_mode: bool = False
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def plan_chat(engine: ModelEngine, req: ChatCompletionRequest) -> ChatPlan:
+    """Render the prompt and decide on forced prefixes."""
+    messages = _normalise_messages(req.messages)
+    tools: list[Any] | None = list(req.tools or []) if req.tools_enabled() else None
+    try:
+        prompt = engine.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:
+        raise BadRequestError(f"Cannot render the chat template: {exc}", param="messages") from exc
+    forced = req.forced_tool()
+    plan = ChatPlan(prompt=str(prompt), parse_tools=tools is not None)
+    if forced is not None:
+        plan.forced_tool = forced
+        plan.prefix = '<tool_call>\n{"name": "' + forced + '", "arguments": '
+    elif req.wants_json() and tools is None:
+        plan.json_mode = True
+        plan.prefix = "{"
+    return plan
+
+
+def submit_chat(engine: ModelEngine, req: ChatCompletionRequest, plan: ChatPlan) -> GenerationRequest:
+    ids = engine.tokenizer(plan.prompt + plan.prefix, add_special_tokens=False)["input_ids"]
+    gen = GenerationRequest(
+        prompt_ids=list(ids), params=req.to_sampling_params(engine.default_max_tokens), n=req.n
+    )
+    gen.adapter = engine.resolve(req.model)
+    if plan.forced_tool is not None:
+        gen.stop_check = _json_complete
+    elif plan.json_mode:
+        gen.stop_check = lambda text: _json_complete("{" + text)
+    return engine.submit(gen)
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def finish_choice(plan: ChatPlan, choice: _Choice) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished choice, and its finish reason."""
+    reason = choice.finish_reason or "stop"
+    if plan.forced_tool is not None:
+        forced_args = _parse_object(choice.text) or {}
+        call = {
+            "id": _call_id(),
+            "type": "function",
+            "function": {"name": plan.forced_tool, "arguments": json.dumps(forced_args)},
+        }
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, "tool_calls"
+    if plan.parse_tools and "<tool_call>" in choice.text:
+        calls = []
+        for match in _TOOL_CALL.finditer(choice.text):
+            obj = _parse_object(match.group(1))
+            if obj is None or not isinstance(obj.get("name"), str):
+                continue
+            args: Any = obj.get("arguments")
+            if isinstance(args, str):
+                args = _parse_object(args)
+            calls.append(
+                {
+                    "id": _call_id(),
+                    "type": "function",
+                    "function": {
+                        "name": obj["name"],
+                        "arguments": json.dumps(args if isinstance(args, dict) else {}),
+                    },
+                }
+            )
+        if calls:
+            content = _TOOL_CALL.sub("", choice.text).strip() or None
+            return {
+                "role": "assistant",
+                "content": content,
+                "refusal": None,
+                "tool_calls": calls,
+            }, "tool_calls"
+    text = plan.prefix + choice.text if plan.json_mode else choice.text
+    return {"role": "assistant", "content": text, "refusal": None}, reason
+
+
+def logprobs_content(engine: ModelEngine, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's chat ``logprobs.content`` items."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        token = engine.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    out = []
+    for entry in entries:
+        item = one(entry.token_id, entry.logprob)
+        item["top_logprobs"] = [one(t, lp) for t, lp in entry.top]
+        out.append(item)
+    return out
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> dict[str, Any]:
+    """A whole ``chat.completion`` object."""
+    plan = plan_chat(engine, req)
+    gen = submit_chat(engine, req, plan)
+    choices = [_Choice() for _ in range(req.n)]
+    try:
+        async for event in gen.events():
+            _accumulate(choices[event.index], event)
+    finally:
+        engine.cancel(gen)
+    out_choices = []
+    for i, choice in enumerate(choices):
+        message, reason = finish_choice(plan, choice)
+        lp = {"content": logprobs_content(engine, choice.logprobs), "refusal": None} if req.logprobs else None
+        out_choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lp})
+    return {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "system_fingerprint": None,
+        "choices": out_choices,
+        "usage": _usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
+    }
+
+
+def _accumulate(choice: _Choice, event: ChoiceEvent) -> None:
+    choice.text += event.text
+    choice.tokens += len(event.token_ids)
+    choice.logprobs.extend(event.logprobs)
+    if event.finish_reason is not None:
+        choice.finish_reason = event.finish_reason
+
+
+async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncGenerator[str, None]:
+    """``chat.completion.chunk`` SSE lines; the first is yielded only once the engine produced output."""
+    plan = plan_chat(engine, req)
+    gen = submit_chat(engine, req, plan)
+    chunk_id = "chatcmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    include_usage = req.include_usage()
+    buffered = plan.parse_tools
+    choices = [_Choice() for _ in range(req.n)]
+
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> str:
+        body: dict[str, Any] = {
+            "id": chunk_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return "data: " + json.dumps(body) + "\n\n"
+
+    try:
+        started = [False] * req.n
+        async for event in gen.events():
+            choice = choices[event.index]
+            _accumulate(choice, event)
+            out = []
+            if not started[event.index]:
+                started[event.index] = True
+                out.append(chunk(event.index, {"role": "assistant", "content": ""}))
+                if plan.json_mode:
+                    out.append(chunk(event.index, {"content": plan.prefix}))
+            if buffered:
+                if event.finish_reason is not None:
+                    message, reason = finish_choice(plan, choice)
+                    lp = None
+                    if req.logprobs:
+                        lp = {"content": logprobs_content(engine, choice.logprobs), "refusal": None}
+                    delta: dict[str, Any] = {}
+                    if message.get("content"):
+                        delta["content"] = message["content"]
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = [
+                            {"index": k, **call} for k, call in enumerate(message["tool_calls"])
+                        ]
+                    out.append(chunk(event.index, delta, lp=lp))
+                    out.append(chunk(event.index, {}, reason))
+            else:
+                if event.text or event.logprobs:
+                    lp = None
+                    if req.logprobs:
+                        lp = {"content": logprobs_content(engine, event.logprobs), "refusal": None}
+                    out.append(chunk(event.index, {"content": event.text}, lp=lp))
+                if event.finish_reason is not None:
+                    out.append(chunk(event.index, {}, event.finish_reason))
+            for line in out:
+                yield line
+        if include_usage:
+            usage = {
+                "id": chunk_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "system_fingerprint": None,
+                "choices": [],
+                "usage": _usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
+            }
+            yield "data: " + json.dumps(usage) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        engine.cancel(gen)

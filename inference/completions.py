@@ -1,0 +1,225 @@
+"""``/v1/completions``: legacy text completions over raw prompts (text or token ids).
+
+``prompt`` may be a string, a list of strings, a list of token ids or a list of such lists; every prompt
+gets ``n`` choices, numbered ``prompt_index * n + i``. ``echo`` puts the prompt text in front of each
+choice; ``logprobs: k`` returns the legacy shape ``{tokens, token_logprobs, top_logprobs, text_offset}``
+for the generated tokens (echoed prompt tokens are listed with ``null`` log-probabilities).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from inference.engine import ChoiceEvent, GenerationRequest, ModelEngine
+from inference.errors import BadRequestError
+from inference.protocol import CompletionRequest
+from inference.sampling import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+def _prompts(engine: ModelEngine, req: CompletionRequest) -> list[list[int]]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise BadRequestError("The prompt is empty.", param="prompt")
+    vocab = len(engine.tokenizer)
+    out: list[list[int]] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(list(engine.tokenizer(item)["input_ids"]))
+        else:
+            ids = [int(t) for t in item]
+            if any(t < 0 or t >= vocab for t in ids):
+                raise BadRequestError("Token id out of range.", param="prompt")
+            out.append(ids)
+    return out
+
+
+class _Legacy:
+    """Accumulates one choice in the legacy logprobs shape."""
+
+    def __init__(self, engine: ModelEngine, offset: int) -> None:
+        self.engine = engine
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top: list[dict[str, float] | None] = []
+        self.offsets: list[int] = []
+        self.offset = offset
+
+    def add_prompt(self, ids: list[int]) -> None:
+        for tid in ids:
+            self._add(self.engine.decode([tid], skip_special_tokens=False), None, None)
+
+    def add(self, entries: list[TokenLogprob]) -> None:
+        decode = self.engine.decode
+        for e in entries:
+            top = {decode([t], skip_special_tokens=False): lp for t, lp in e.top}
+            self._add(decode([e.token_id], skip_special_tokens=False), e.logprob, top)
+
+    def _add(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.tokens.append(token)
+        self.token_logprobs.append(logprob)
+        self.top.append(top)
+        self.offsets.append(self.offset)
+        self.offset += len(token)
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top,
+            "text_offset": self.offsets,
+        }
+
+
+def _submit(engine: ModelEngine, req: CompletionRequest) -> list[GenerationRequest]:
+    adapter = engine.resolve(req.model)
+    gens = []
+    try:
+        for ids in _prompts(engine, req):
+            gen = GenerationRequest(
+                prompt_ids=ids,
+                params=req.to_sampling_params(engine.default_max_tokens),
+                n=req.n,
+                adapter=adapter,
+            )
+            gens.append(engine.submit(gen))
+    except Exception:
+        for gen in gens:
+            engine.cancel(gen)
+        raise
+    return gens
+
+
+def _usage(gens: list[GenerationRequest], completion: int) -> dict[str, int]:
+    prompt = sum(len(g.prompt_ids) for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, Any]:
+    """A whole ``text_completion`` object."""
+    gens = _submit(engine, req)
+    choices: list[dict[str, Any]] = []
+    completion_tokens = 0
+    try:
+        for p, gen in enumerate(gens):
+            prompt_text = engine.decode(gen.prompt_ids, skip_special_tokens=False) if req.echo else ""
+            texts = [prompt_text] * req.n
+            reasons = ["stop"] * req.n
+            legacy = [_Legacy(engine, len(prompt_text) if not req.echo else 0) for _ in range(req.n)]
+            if req.echo and req.logprobs is not None:
+                for lg in legacy:
+                    lg.add_prompt(gen.prompt_ids)
+            async for event in gen.events():
+                texts[event.index] += event.text
+                completion_tokens += len(event.token_ids)
+                legacy[event.index].add(event.logprobs)
+                if event.finish_reason is not None:
+                    reasons[event.index] = event.finish_reason
+            for i in range(req.n):
+                choices.append(
+                    {
+                        "index": p * req.n + i,
+                        "text": texts[i],
+                        "finish_reason": reasons[i],
+                        "logprobs": legacy[i].body() if req.logprobs is not None else None,
+                    }
+                )
+    finally:
+        for gen in gens:
+            engine.cancel(gen)
+    return {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": _usage(gens, completion_tokens),
+    }
+
+
+async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> AsyncGenerator[str, None]:
+    """``text_completion`` SSE lines, choices of all prompts interleaved as they come."""
+    import asyncio
+
+    gens = _submit(engine, req)
+    cid = "cmpl-" + secrets.token_hex(12)
+    created = int(time.time())
+    include_usage = req.include_usage()
+    queue: asyncio.Queue[tuple[int, ChoiceEvent] | BaseException | None] = asyncio.Queue()
+
+    async def pump(p: int, gen: GenerationRequest) -> None:
+        try:
+            async for event in gen.events():
+                await queue.put((p, event))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    def line(index: int, text: str, finish: str | None, logprobs: Any) -> str:
+        body: dict[str, Any] = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": req.model,
+            "system_fingerprint": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        }
+        if include_usage:
+            body["usage"] = None
+        return "data: " + json.dumps(body) + "\n\n"
+
+    tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(gens)]
+    try:
+        completion_tokens = 0
+        echoed: set[int] = set()
+        open_pumps = len(tasks)
+        while open_pumps:
+            item = await queue.get()
+            if item is None:
+                open_pumps -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            p, event = item
+            gen = gens[p]
+            index = p * req.n + event.index
+            completion_tokens += len(event.token_ids)
+            text = event.text
+            legacy = _Legacy(engine, 0)
+            if req.echo and index not in echoed:
+                echoed.add(index)
+                text = engine.decode(gen.prompt_ids, skip_special_tokens=False) + text
+                if req.logprobs is not None:
+                    legacy.add_prompt(gen.prompt_ids)
+            legacy.add(event.logprobs)
+            yield line(index, text, event.finish_reason, legacy.body() if req.logprobs is not None else None)
+        if include_usage:
+            body = {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": req.model,
+                "choices": [],
+                "usage": _usage(gens, completion_tokens),
+            }
+            yield "data: " + json.dumps(body) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for gen in gens:
+            engine.cancel(gen)
