@@ -159,7 +159,7 @@ class ToolEnv(MultiTurnEnv):
         result = await maybe_await(tools[name](**arguments))
         return result if isinstance(result, str) else json.dumps(result)
 
-    async def step(self, assistant_message: Message) -> StepResult:  # type: ignore[override]
+    async def step(self, assistant_message: Message) -> StepResult:
         self.messages.append(assistant_message)
         calls = assistant_message.get("tool_calls") or []
         if not calls:

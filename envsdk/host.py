@@ -219,7 +219,11 @@ class InProcessRunner:
     """
 
     def __init__(
-        self, env: type[Environment] | str, config: dict[str, Any] | None = None, *, max_turns: int | None = None
+        self,
+        env: type[Environment] | str,
+        config: dict[str, Any] | None = None,
+        *,
+        max_turns: int | None = None,
     ) -> None:
         if isinstance(env, str):
             self.host = EnvHost.from_entrypoint(env, config, max_turns=max_turns)

@@ -119,7 +119,16 @@ def probe_backend(name: str) -> bool:
     ok = False
     try:
         if name == "bwrap" and shutil.which("bwrap"):
-            cmd = ["bwrap", *_root_links(), "--proc", "/proc", "--dev", "/dev", *_bwrap_namespace_args(), "true"]
+            cmd = [
+                "bwrap",
+                *_root_links(),
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                *_bwrap_namespace_args(),
+                "true",
+            ]
             ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
         elif name == "unshare" and shutil.which("unshare") and _is_root():
             cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "true"]
@@ -458,7 +467,13 @@ class Sandbox:
     async def astart(self) -> dict[str, Any]:
         return await asyncio.to_thread(self.start)
 
-    async def acall(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
+    async def acall(
+        self,
+        method: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the deadline is enforced by the blocking call
+    ) -> Any:
         return await asyncio.to_thread(self.call, method, params, timeout=timeout)
 
     async def areward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
