@@ -17,6 +17,7 @@ same lock between steps; adapters used by a running batch are pinned and never e
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import threading
@@ -142,6 +143,9 @@ class ModelEngine:
         model = model.to(device)
         model.eval()
         self.config = model.config
+        # transformers 5 renamed the forward's ``past_key_values`` to ``cache``
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.host = LoraHost(model)
         self.registry = AdapterRegistry(max_loras)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -164,6 +168,8 @@ class ModelEngine:
         self._scheduler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.base_parameter_count = self.host.parameter_count()
+        self.batches_run = 0
+        self.largest_batch = 0
         logger.info("engine %s: loaded %s on %s", name, path, device)
 
     def _collect_stop_ids(self, model: Any) -> set[int]:
@@ -246,6 +252,8 @@ class ModelEngine:
             "known_adapters": sorted(self.registry.known),
             "max_loras": self.registry.max_loras,
             "max_batch_size": self.max_batch_size,
+            "batches_run": self.batches_run,
+            "largest_batch": self.largest_batch,
         }
 
     # ------------------------------------------------------------------ adapters
@@ -398,6 +406,8 @@ class ModelEngine:
             for req in batch
             for i in range(req.n)
         ]
+        self.batches_run += 1
+        self.largest_batch = max(self.largest_batch, len(rows))
         try:
             self._generate(rows)
         except Exception as exc:
@@ -417,9 +427,9 @@ class ModelEngine:
                 input_ids=input_ids,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **{self._cache_kwarg: cache},
                 **kwargs,
             )
         return out.logits[:, -1, :].float().cpu()

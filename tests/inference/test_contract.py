@@ -1,0 +1,262 @@
+"""The engine HTTP contract, driven through the official ``openai`` SDK and httpx.
+
+Runs against any engine given by ``TUNEGATE_ENGINE_URL`` (with ``TUNEGATE_ENGINE_MODEL`` and
+``TUNEGATE_ENGINE_ADAPTER_PATH``, e.g. a ``vllm serve --enable-lora`` on a GPU box); when unset, against the
+embedded engine started on a free port with the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+@dataclass
+class Target:
+    url: str
+    model: str
+    adapter_path: str
+    client: openai.OpenAI
+    http: httpx.Client
+
+    def load(self, name: str, path: str | None = None, **extra: Any) -> httpx.Response:
+        body = {"lora_name": name, "lora_path": path or self.adapter_path, **extra}
+        return self.http.post("/v1/load_lora_adapter", json=body)
+
+    def unload(self, name: str) -> httpx.Response:
+        return self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})
+
+
+@pytest.fixture(scope="module")
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    url = os.environ.get("TUNEGATE_ENGINE_URL")
+    if url:
+        model = os.environ["TUNEGATE_ENGINE_MODEL"]
+        adapter_path = os.environ["TUNEGATE_ENGINE_ADAPTER_PATH"]
+    else:
+        server = request.getfixturevalue("engine_server")
+        adapters: list[Path] = request.getfixturevalue("adapter_dirs")
+        url, model, adapter_path = server.url, "tiny-chat", str(adapters[0])
+    url = url.rstrip("/")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    with httpx.Client(base_url=url, timeout=120) as http:
+        yield Target(url=url, model=model, adapter_path=adapter_path, client=client, http=http)
+
+
+def _name() -> str:
+    return f"contract-{uuid.uuid4().hex[:8]}"
+
+
+def test_health_and_models(target: Target) -> None:
+    assert target.http.get("/health").status_code == 200
+    models = target.client.models.list().data
+    assert target.model in [m.id for m in models]
+
+
+def test_chat_non_stream_shape(target: Target) -> None:
+    resp = target.client.chat.completions.create(
+        model=target.model, messages=MESSAGES, max_tokens=8, temperature=0, seed=7
+    )
+    assert resp.object == "chat.completion"
+    assert resp.id and resp.created > 0 and resp.model == target.model
+    (choice,) = resp.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.usage is not None and resp.usage.prompt_tokens > 0
+    assert 1 <= resp.usage.completion_tokens <= 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_stream_reassembles_to_non_stream(target: Target) -> None:
+    kwargs: dict[str, Any] = dict(model=target.model, messages=MESSAGES, max_tokens=12, temperature=0, seed=3)
+    whole = target.client.chat.completions.create(**kwargs)
+    chunks = list(
+        target.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    content_chunks = [c for c in chunks if c.choices]
+    first = content_chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == ""
+    last = content_chunks[-1].choices[0]
+    assert last.finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in content_chunks)
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    text = "".join(c.choices[0].delta.content or "" for c in content_chunks)
+    assert text == whole.choices[0].message.content
+
+
+def test_raw_sse_has_no_event_lines(target: Target) -> None:
+    body = {"model": target.model, "messages": MESSAGES, "max_tokens": 4, "stream": True}
+    with target.http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_n_choices_and_seed(target: Target) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=target.model, messages=MESSAGES, max_tokens=10, temperature=1.0, seed=11
+    )
+    a = target.client.chat.completions.create(**kwargs, n=3)
+    b = target.client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+
+
+def test_stop_string_is_trimmed(target: Target) -> None:
+    kwargs: dict[str, Any] = dict(model=target.model, messages=MESSAGES, max_tokens=24, temperature=0, seed=5)
+    free = target.client.chat.completions.create(**kwargs).choices[0].message.content or ""
+    if len(free) < 4:
+        pytest.skip("the model's greedy output is too short to cut")
+    stop = free[2:4]
+    cut = target.client.chat.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.message.content == free[: free.index(stop)]
+
+
+def test_logprobs_shape(target: Target) -> None:
+    resp = target.client.chat.completions.create(
+        model=target.model, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = resp.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    assert len(choice.logprobs.content) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    for item in choice.logprobs.content:
+        assert item.logprob <= 0.0 and isinstance(item.token, str)
+        assert len(item.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob, abs=1e-4)
+
+
+def test_tool_call_round_trip(target: Target) -> None:
+    resp = target.client.chat.completions.create(
+        model=target.model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=24, seed=1
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls and len(calls) == 1
+    call = calls[0]
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments), dict)
+    follow_up = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})},
+    ]
+    answer = target.client.chat.completions.create(
+        model=target.model, messages=follow_up, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_named_tool_choice_streams_a_call(target: Target) -> None:
+    stream = target.client.chat.completions.create(
+        model=target.model,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=16,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    deltas = [d.choices[0].delta for d in chunks]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert calls and calls[0].function is not None and calls[0].function.name == "get_weather"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_completions(target: Target) -> None:
+    resp = target.client.completions.create(
+        model=target.model, prompt="Hello there", max_tokens=6, temperature=0
+    )
+    assert resp.object == "text_completion"
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage is not None and resp.usage.completion_tokens <= 6
+    batch = target.client.completions.create(model=target.model, prompt=["a b", "c d"], max_tokens=3, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    echoed = target.client.completions.create(
+        model=target.model, prompt="Hello there", max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    assert echoed.choices[0].text.startswith("Hello there")
+    lp = echoed.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and len(lp.tokens) == len(lp.token_logprobs)
+
+
+def test_adapter_lifecycle(target: Target) -> None:
+    name = _name()
+    resp = target.load(name)
+    assert resp.status_code == 200, resp.text
+    assert resp.text == f"Success: LoRA adapter '{name}' added successfully."
+    listed = {m.id: m for m in target.client.models.list().data}
+    assert name in listed
+    assert listed[name].model_extra is not None and listed[name].model_extra.get("parent") == target.model
+
+    kwargs: dict[str, Any] = dict(messages=MESSAGES, max_tokens=16, temperature=0, seed=9, logprobs=True)
+    base = target.client.chat.completions.create(model=target.model, **kwargs).choices[0]
+    tuned = target.client.chat.completions.create(model=name, **kwargs).choices[0]
+    assert tuned.logprobs is not None and base.logprobs is not None
+    base_lp = [t.logprob for t in base.logprobs.content or []]
+    tuned_lp = [t.logprob for t in tuned.logprobs.content or []]
+    assert tuned.message.content != base.message.content or tuned_lp != pytest.approx(base_lp, abs=1e-3)
+
+    again = target.load(name)
+    assert again.status_code == 400
+    assert again.json()["error"]["message"]
+
+    gone = target.unload(name)
+    assert gone.status_code == 200 and gone.text == f"Success: LoRA adapter '{name}' removed successfully."
+    with pytest.raises(openai.NotFoundError):
+        target.client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=2)
+    assert name not in [m.id for m in target.client.models.list().data]
+
+
+def test_unload_unknown_is_404(target: Target) -> None:
+    resp = target.unload(_name())
+    assert resp.status_code == 404
+    assert resp.json()["error"]["type"] == "NotFoundError"
+
+
+def test_load_errors(target: Target, tmp_path: Path) -> None:
+    missing = target.http.post("/v1/load_lora_adapter", json={"lora_name": _name()})
+    assert missing.status_code == 400
+    no_config = target.load(_name(), str(tmp_path))
+    assert no_config.status_code in (400, 404)
+    assert set(no_config.json()["error"]) >= {"message", "type", "param", "code"}
+
+
+def test_unknown_model_is_404(target: Target) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        target.client.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=2)
+    assert info.value.status_code == 404
