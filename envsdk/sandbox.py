@@ -18,7 +18,8 @@ Isolation (the ``bwrap`` backend, bubblewrap):
   called again.
 
 The ``unshare`` backend (util-linux, as root) is the fallback when bubblewrap is missing: network and PID
-namespaces, rlimits and the dropped uid, but the host filesystem stays visible to that uid. With neither
+namespaces, rlimits and the dropped uid, but the host filesystem stays visible to that uid (so it is only
+offered when the interpreter, envsdk and the package are reachable by other uids). With neither
 available the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only).
 """
 
@@ -110,6 +111,12 @@ def _bwrap_namespace_args() -> list[str]:
     return common + ["--unshare-all", "--uid", "65534", "--gid", "65534"]
 
 
+def world_traversable(path: Path) -> bool:
+    """Whether any uid can reach ``path`` (every ancestor directory has its ``x`` bit for others)."""
+    path = Path(path).resolve()
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents] if p.is_dir())
+
+
 def probe_backend(name: str) -> bool:
     """Whether backend ``name`` (``bwrap``, ``unshare``, ``none``) works on this machine (cached)."""
     if name == "none":
@@ -131,6 +138,13 @@ def probe_backend(name: str) -> bool:
             ]
             ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
         elif name == "unshare" and shutil.which("unshare") and _is_root():
+            # no new root here: the dropped uid must reach the interpreter and envsdk on the host itself
+            if not (world_traversable(Path(sys.base_prefix)) and world_traversable(ENVSDK_SRC)):
+                logger.info(
+                    "unshare backend: %s or %s is not reachable by other uids", sys.base_prefix, ENVSDK_SRC
+                )
+                _probe_cache[name] = False
+                return False
             cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "true"]
             ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
     except (OSError, subprocess.SubprocessError) as exc:
@@ -255,6 +269,10 @@ class Sandbox:
         backend = self.requested_backend or detect_backend(allow_unsandboxed=self.allow_unsandboxed)
         if backend != "none" and not probe_backend(backend):
             raise SandboxError("unavailable", f"sandbox backend {backend!r} does not work on this machine")
+        if backend == "unshare" and not world_traversable(self.package_dir):
+            raise SandboxError(
+                "unavailable", f"the unshare backend needs {self.package_dir} readable by other uids"
+            )
         self.backend = backend
         scratch = Path(tempfile.mkdtemp(prefix="envsdk-scratch-"))
         self._scratch = scratch

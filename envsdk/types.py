@@ -96,5 +96,6 @@ class EpisodeResult:
 
 def error_text(exc: BaseException) -> str:
     """One-line description of an exception, safe to send over the channel."""
-    text = f"{type(exc).__name__}: {exc}".strip()
+    detail = str(exc)
+    text = f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
     return text[:2000]

@@ -26,7 +26,9 @@ def make_package(tmp_path: Path) -> Callable[..., Path]:
     """Write ``environment.toml`` + ``env.py`` (class ``Env``) into a fresh directory."""
     counter = iter(range(1000))
 
-    def make(code: str, *, limits: str = "timeout_s = 10\n", name: str = "pkg", entrypoint: str = "env:Env") -> Path:
+    def make(
+        code: str, *, limits: str = "timeout_s = 10\n", name: str = "pkg", entrypoint: str = "env:Env"
+    ) -> Path:
         root = tmp_path / f"{name}{next(counter)}"
         root.mkdir()
         (root / "environment.toml").write_text(

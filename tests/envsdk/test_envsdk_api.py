@@ -89,8 +89,12 @@ class Counter(MultiTurnEnv):
 
 def test_multi_turn_episode_state_per_instance_and_max_turns():
     with InProcessRunner(Counter) as runner:
-        assert runner.describe() == {"kind": "multi_turn", "entrypoint": f"{__name__}:Counter", "tools": [],
-                                     "max_turns": 3}  # fmt: skip
+        assert runner.describe() == {
+            "kind": "multi_turn",
+            "entrypoint": f"{__name__}:Counter",
+            "tools": [],
+            "max_turns": 3,
+        }
         a = runner.call("reset", {"task": {}})
         b = runner.call("reset", {"task": {}})
         assert a["episode_id"] != b["episode_id"]
@@ -126,7 +130,9 @@ class Shop(ToolEnv):
 
 def test_tool_schema_from_signature_and_docstring():
     @tool
-    def search(query: str, limit: int | None = None, tags: list[str] | None = None, exact: bool = False) -> str:
+    def search(
+        query: str, limit: int | None = None, tags: list[str] | None = None, exact: bool = False
+    ) -> str:
         """Search the catalogue.
 
         Args:
@@ -157,10 +163,16 @@ def test_tool_schema_from_signature_and_docstring():
 
 def test_tool_env_runs_tool_calls_and_scores_the_conversation():
     calls = [
-        {"id": "c1", "type": "function", "function": {"name": "price", "arguments": '{"item": "pear", "quantity": 4}'}},
+        {
+            "id": "c1",
+            "type": "function",
+            "function": {"name": "price", "arguments": '{"item": "pear", "quantity": 4}'},
+        },
         {"id": "c2", "type": "function", "function": {"name": "nope", "arguments": "{}"}},
-    ]  # fmt: skip
-    script = iter([{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "assistant", "content": "3.0"}])
+    ]
+    script = iter(
+        [{"role": "assistant", "content": "", "tool_calls": calls}, {"role": "assistant", "content": "3.0"}]
+    )
     seen_tools = []
 
     def policy(messages, tools):
@@ -170,8 +182,13 @@ def test_tool_env_runs_tool_calls_and_scores_the_conversation():
     with InProcessRunner(Shop) as runner:
         [schema] = runner.call("tools", {})
         assert schema["function"]["parameters"]["properties"]["item"] == {
-            "enum": ["apple", "pear"], "type": "string", "description": "Which fruit."}  # fmt: skip
-        result = run_episode(runner, {"messages": [{"role": "user", "content": "4 pears?"}], "answer": "3.0"}, policy)
+            "enum": ["apple", "pear"],
+            "type": "string",
+            "description": "Which fruit.",
+        }
+        result = run_episode(
+            runner, {"messages": [{"role": "user", "content": "4 pears?"}], "answer": "3.0"}, policy
+        )
         direct = runner.call("call_tool", {"name": "price", "arguments": {"item": "apple"}})
     assert seen_tools[0] == [schema]
     assert result.stop_reason is StopReason.DONE and result.reward == 1.0 and result.turns == 2
@@ -219,6 +236,8 @@ def test_envsdk_imports_without_torch_or_pydantic():
     import subprocess
     import sys
 
-    code = "import sys, envsdk; assert 'torch' not in sys.modules and 'pydantic' not in sys.modules; print('ok')"
+    code = (
+        "import sys, envsdk; assert 'torch' not in sys.modules and 'pydantic' not in sys.modules; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

@@ -70,8 +70,20 @@ def test_init_scaffolds_a_package_that_packs_and_inspects(tmp_path, capsys, sand
         manifest = inspect_package(archive, tmp_path / f"work-{kind}")
         assert manifest.name == f"my-{kind}" and manifest.entrypoint == f"my_{kind}_env:Env"
     capsys.readouterr()
-    assert main(["test", str(tmp_path / "my-single_turn"), "--tasks", str(tmp_path / "my-single_turn/tasks.jsonl"),
-                 "--completions", "4", "five"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "test",
+                str(tmp_path / "my-single_turn"),
+                "--tasks",
+                str(tmp_path / "my-single_turn/tasks.jsonl"),
+                "--completions",
+                "4",
+                "five",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line.get("reward") for line in lines[:2]] == [1.0, 0.0]
     assert lines[-1] == {"episodes": 2, "errors": 0, "mean_reward": 0.5}
@@ -146,7 +158,9 @@ def test_not_an_archive_and_missing_manifest(tmp_path):
     ],
     ids=["missing-class", "missing-module", "not-an-env", "exits-at-import"],
 )
-def test_bad_entrypoint_is_reported_from_the_sandbox(tmp_path, make_package, sandbox_backend, entrypoint, code, message):
+def test_bad_entrypoint_is_reported_from_the_sandbox(
+    tmp_path, make_package, sandbox_backend, entrypoint, code, message
+):
     package = make_package(code, entrypoint=entrypoint)
     archive = tmp_path / "p.tar.gz"
     assert main(["pack", str(package), "-o", str(archive)]) == 0
@@ -188,7 +202,11 @@ def test_examples_inspect(tmp_path, sandbox_backend):
 
 def test_arithmetic_example_scores(sandbox_backend):
     tasks = _task_rows("arithmetic")[:3]
-    items = [{"task": t, "completion": c} for t in tasks for c in (t["answer"], f"It is {t['answer']}.", "7 7 7x", "no")]
+    items = [
+        {"task": t, "completion": c}
+        for t in tasks
+        for c in (t["answer"], f"It is {t['answer']}.", "7 7 7x", "no")
+    ]
     with Sandbox(EXAMPLES / "arithmetic") as sandbox:
         assert sandbox.info["kind"] == "single_turn"
         rewards = [r["reward"] for r in sandbox.reward_batch(items)]
@@ -211,8 +229,12 @@ def _bisect_policy(messages, tools):
 
 def test_guess_number_example_plays(sandbox_backend):
     with Sandbox(EXAMPLES / "guess_number") as sandbox:
-        results = [run_episode(sandbox, task, _bisect_policy, max_turns=6) for task in _task_rows("guess_number")]
-        lazy = run_episode(sandbox, _task_rows("guess_number")[0], lambda m, t: {"role": "assistant", "content": "?"})
+        results = [
+            run_episode(sandbox, task, _bisect_policy, max_turns=6) for task in _task_rows("guess_number")
+        ]
+        lazy = run_episode(
+            sandbox, _task_rows("guess_number")[0], lambda m, t: {"role": "assistant", "content": "?"}
+        )
     assert all(r.stop_reason is StopReason.DONE for r in results)
     assert all(0.1 <= r.reward <= 1.0 for r in results) and any(r.reward < 1.0 for r in results)
     assert lazy.stop_reason is StopReason.MAX_TURNS and lazy.turns == 6 and lazy.reward == 0.0
@@ -224,12 +246,17 @@ def test_calculator_example_plays(sandbox_backend):
         if messages[-1]["role"] == "tool":
             return {"role": "assistant", "content": f"The result is {messages[-1]['content']}."}
         expression = re.search(r"What is (.+)\? Use", messages[0]["content"]).group(1)
-        call = {"id": "call_1", "type": "function",
-                "function": {"name": "calculate", "arguments": json.dumps({"expression": expression})}}  # fmt: skip
+        call = {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "calculate", "arguments": json.dumps({"expression": expression})},
+        }
         return {"role": "assistant", "content": "", "tool_calls": [call]}
 
     with Sandbox(EXAMPLES / "calculator") as sandbox:
         results = [run_episode(sandbox, task, policy) for task in _task_rows("calculator")]
-        guess = run_episode(sandbox, _task_rows("calculator")[0], lambda m, t: {"role": "assistant", "content": "1"})
+        guess = run_episode(
+            sandbox, _task_rows("calculator")[0], lambda m, t: {"role": "assistant", "content": "1"}
+        )
     assert [r.reward for r in results] == [1.0] * len(results) and all(r.turns == 2 for r in results)
     assert guess.reward == 0.0
