@@ -35,8 +35,9 @@ async def _collect(req: GenerationRequest) -> list[list[int]]:
 
 
 def _request(engine: ModelEngine, prompt: list[int], adapter: str | None, **params: Any) -> GenerationRequest:
+    n = params.pop("n", 1)
     sampling = SamplingParams(max_tokens=params.pop("max_tokens", 12), **params)
-    req = GenerationRequest(prompt_ids=list(prompt), params=sampling, n=params.pop("n", 1))
+    req = GenerationRequest(prompt_ids=list(prompt), params=sampling, n=n)
     req.adapter = engine.resolve(adapter) if adapter else None
     return req
 
