@@ -1,1 +1,1 @@
-"""tunegate: tunegate."""
+"""tunegate: the command line and the one-machine stack (`tunegate up`)."""

@@ -1,0 +1,79 @@
+"""The gateway application: `create_app(settings)` builds the FastAPI app; resources live in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from fastapi.responses import ORJSONResponse
+
+from gateway.blobstore import BlobStore
+from gateway.db import create_pool, migrate
+from gateway.deps import Resources
+from gateway.errors import install_error_handlers
+from gateway.files.router import router as files_router
+from gateway.jobs.router import router as jobs_router
+from gateway.middleware import Metrics, RequestContextMiddleware
+from gateway.models.router import router as models_router
+from gateway.ops.router import router as ops_router
+from gateway.queue import make_queue
+from gateway.settings import Settings
+from gateway.tenancy.keys import Authenticator
+from gateway.tenancy.router import router as admin_router
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The gateway app. Needs `settings.database_url` (migrations run at start-up)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not settings.database_url:
+            raise RuntimeError("the gateway needs TUNEGATE_DATABASE_URL (tunegate up provides one)")
+        await migrate(settings.database_url)
+        pool = await create_pool(
+            settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max
+        )
+        auth = Authenticator(pool, ttl_s=settings.auth_cache_ttl_s)
+        queue = make_queue(settings.redis_url) if settings.redis_url else None
+        res = Resources(
+            settings=settings,
+            pool=pool,
+            blobs=BlobStore(settings.blob_dir),
+            auth=auth,
+            queue=queue,
+            admin_key=settings.admin_key_value(),
+            extras={"started_at": int(time.time())},
+        )
+        app.state.resources = res
+        flusher = asyncio.create_task(auth.run_flusher())
+        try:
+            yield
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            with contextlib.suppress(Exception):
+                await auth.flush_last_used()
+            if queue is not None:
+                await queue.aclose()
+            await pool.close()
+
+    app = FastAPI(
+        title="tunegate",
+        version="0.1.0",
+        lifespan=lifespan,
+        default_response_class=ORJSONResponse,
+    )
+    metrics = Metrics()
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    for router in (admin_router, files_router, jobs_router, models_router, ops_router):
+        app.include_router(router)
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    return app

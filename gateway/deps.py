@@ -1,0 +1,64 @@
+"""Resources made once in the lifespan and injected into routes with `Annotated` aliases."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import asyncpg
+from arq.connections import ArqRedis
+from fastapi import Depends, Header, Request
+
+from gateway.blobstore import BlobStore
+from gateway.errors import AuthenticationFailed
+from gateway.settings import Settings
+from gateway.tenancy.keys import Authenticator, Principal, bearer_token
+
+
+@dataclass
+class Resources:
+    """Everything a request may need, made in the lifespan and shared by all requests."""
+
+    settings: Settings
+    pool: asyncpg.Pool
+    blobs: BlobStore
+    auth: Authenticator
+    queue: ArqRedis | None
+    admin_key: str | None
+    extras: dict[str, object] = field(default_factory=dict)
+
+
+def get_resources(request: Request) -> Resources:
+    res: Resources = request.app.state.resources
+    return res
+
+
+ResourcesDep = Annotated[Resources, Depends(get_resources)]
+
+
+def get_pool(res: ResourcesDep) -> asyncpg.Pool:
+    return res.pool
+
+
+PoolDep = Annotated[asyncpg.Pool, Depends(get_pool)]
+
+
+async def get_principal(
+    res: ResourcesDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    """The calling organisation, from a live API key."""
+    return await res.auth.authenticate(bearer_token(authorization))
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+async def require_admin(res: ResourcesDep, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Admin routes: the bearer token must be the admin key."""
+    token = bearer_token(authorization)
+    if not res.admin_key or not hmac.compare_digest(token.encode(), res.admin_key.encode()):
+        raise AuthenticationFailed("Incorrect admin key provided.")
+
+
+AdminDep = Depends(require_admin)

@@ -1,0 +1,170 @@
+"""One error tree and one mapper: every failure leaves the gateway as OpenAI's error envelope.
+
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}` with the status the SDK maps to its
+exception classes (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, 409 ConflictError, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """Base of every error the API reports. Subclasses fix the status and OpenAI's error `type`."""
+
+    status: int = 500
+    type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error envelope."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "invalid_request_error"
+    default_code = "permission_denied"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class Conflict(APIError):
+    status = 409
+    type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "file_too_large"
+
+
+class RateLimited(APIError):
+    status = 429
+    type = "requests"
+    default_code = "rate_limit_exceeded"
+
+
+class InsufficientQuota(APIError):
+    status = 429
+    type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "server_error"
+    default_code = "service_unavailable"
+
+
+class UpstreamError(APIError):
+    """An inference engine answered with an error; status and body are passed on in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type_: str, param: str | None, code: str | None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.status = status
+        self.type = type_
+
+
+def not_found(kind: str, ident: str, *, param: str | None = None, code: str | None = None) -> NotFound:
+    """The 404 for an unknown id — also the answer for another organisation's ids."""
+    return NotFound(f"No {kind} found with id '{ident}'.", param=param, code=code)
+
+
+def error_response(exc: APIError, request_id: str | None = None) -> JSONResponse:
+    """The mapper: an `APIError` as an HTTP response."""
+    headers = dict(exc.headers)
+    if request_id:
+        headers["x-request-id"] = request_id
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception through the one mapper."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "Invalid request."}
+        param = _validation_param(tuple(first.get("loc", ())))
+        msg = str(first.get("msg", "Invalid request."))
+        message = f"Invalid value for '{param}': {msg}" if param else msg
+        return error_response(InvalidRequest(message, param=param, code="invalid_value"))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        mapped: APIError
+        if exc.status_code == 404:
+            mapped = NotFound(
+                f"Unknown request URL: {request.method} {request.url.path}.", code="unknown_url"
+            )
+        elif exc.status_code == 405:
+            mapped = InvalidRequest(f"Method {request.method} not allowed for {request.url.path}.")
+            mapped.status = 405
+        else:
+            mapped = APIError(str(exc.detail))
+            mapped.status = exc.status_code
+            mapped.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(mapped)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError("The server had an error while processing your request."))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,137 @@
+"""Files: upload (streamed, checked, then committed), list, retrieve, delete, content."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import anyio
+import asyncpg
+
+from gateway.blobstore import BlobStore
+from gateway.errors import InvalidRequest, PayloadTooLarge, not_found
+from gateway.files import store
+from gateway.files.protocol import PURPOSES, FileObject
+from gateway.files.upload import receive_upload
+from gateway.files.validation import check_jsonl
+from gateway.ids import new_id
+from gateway.protocol import CursorPage
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_MULTIPART_OVERHEAD = 64 * 1024
+
+
+def blob_key(org_id: str, file_id: str) -> str:
+    return f"files/{org_id}/{file_id}"
+
+
+def _expires_at(fields: dict[str, str]) -> datetime | None:
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise InvalidRequest("expires_after[anchor] must be 'created_at'.", param="expires_after.anchor")
+    try:
+        secs = int(seconds or "")
+    except ValueError as exc:
+        raise InvalidRequest(
+            "expires_after[seconds] must be an integer.", param="expires_after.seconds"
+        ) from exc
+    if not 3600 <= secs <= 2_592_000:
+        raise InvalidRequest(
+            "expires_after[seconds] must be between 3600 and 2592000.", param="expires_after.seconds"
+        )
+    return datetime.now(UTC) + timedelta(seconds=secs)
+
+
+def _check_content(path: Path, purpose: str, filename: str, settings: Settings) -> int | None:
+    """Purpose-specific checks, run in a thread. Returns the row count of JSONL files."""
+    if purpose == "fine-tune":
+        return check_jsonl(path, max_line_bytes=settings.max_jsonl_line_bytes)
+    if purpose == "environment":
+        if path.stat().st_size > settings.max_environment_bytes:
+            raise PayloadTooLarge(
+                f"Environment packages are limited to {settings.max_environment_bytes} bytes.", param="file"
+            )
+        if not filename.endswith((".tar.gz", ".tgz")):
+            raise InvalidRequest("An environment package must be a .tar.gz archive.", param="file")
+    return None
+
+
+async def upload(
+    pool: asyncpg.Pool,
+    blobs: BlobStore,
+    settings: Settings,
+    *,
+    org_id: str,
+    content_type: str | None,
+    content_length: int | None,
+    body: AsyncIterator[bytes],
+) -> FileObject:
+    """Receive, check and store an upload. A refused upload leaves no row and no blob behind."""
+    limit = settings.max_upload_bytes
+    temp = blobs.new_temp()
+    too_long = content_length is not None and content_length > limit + _MULTIPART_OVERHEAD
+    received = await receive_upload(content_type, body, temp_path=temp, max_bytes=-1 if too_long else limit)
+    try:
+        purpose = received.fields.get("purpose")
+        if not purpose:
+            raise InvalidRequest("Missing required parameter: 'purpose'.", param="purpose")
+        if purpose not in PURPOSES:
+            raise InvalidRequest(
+                f"Invalid purpose '{purpose}'; expected one of {', '.join(PURPOSES)}.", param="purpose"
+            )
+        filename = Path(received.filename or "upload").name or "upload"
+        expires_at = _expires_at(received.fields)
+        if purpose == "fine-tune" and not filename.endswith(".jsonl"):
+            raise InvalidRequest(
+                "Fine-tuning files must be .jsonl.", param="file", code="invalid_file_format"
+            )
+        line_count = await anyio.to_thread.run_sync(_check_content, temp, purpose, filename, settings)
+        file_id = new_id("file-")
+        key = blob_key(org_id, file_id)
+        async with pool.acquire() as conn, conn.transaction():
+            row = await store.insert(
+                conn,
+                file_id=file_id,
+                org_id=org_id,
+                filename=filename,
+                purpose=purpose,
+                size=received.size,
+                sha256=received.sha256,
+                blob_key=key,
+                line_count=line_count,
+                expires_at=expires_at,
+            )
+            blobs.commit(temp, key)  # inside the transaction: a failed commit rolls the row back
+        return FileObject.from_row(row)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+async def get(pool: asyncpg.Pool, *, org_id: str, file_id: str) -> asyncpg.Record:
+    row = await store.get(pool, org_id=org_id, file_id=file_id)
+    if row is None:
+        raise not_found("file", file_id, param="file_id")
+    return row
+
+
+async def list_files(
+    pool: asyncpg.Pool, *, org_id: str, purpose: str | None, after: str | None, limit: int, order: str
+) -> CursorPage[FileObject]:
+    rows = await store.list_page(
+        pool, org_id=org_id, purpose=purpose, after=after, limit=limit + 1, order=order
+    )
+    return CursorPage[FileObject].of([FileObject.from_row(r) for r in rows], limit)
+
+
+async def delete(pool: asyncpg.Pool, blobs: BlobStore, *, org_id: str, file_id: str) -> None:
+    row = await store.delete(pool, org_id=org_id, file_id=file_id)
+    if row is None:
+        raise not_found("file", file_id, param="file_id")
+    blobs.delete(row["blob_key"])

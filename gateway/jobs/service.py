@@ -1,0 +1,251 @@
+"""Fine-tuning jobs: create (validated, idempotent, enqueued), list, retrieve, cancel, pause, resume,
+events and checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from typing import Any
+
+import anyio
+import asyncpg
+import orjson
+
+from gateway.deps import Resources
+from gateway.errors import Conflict, InvalidRequest, not_found
+from gateway.files import store as files_store
+from gateway.jobs import store
+from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
+from gateway.jobs.validation import (
+    RowError,
+    check_metadata,
+    check_suffix,
+    check_training_file,
+    normalise_method,
+    resolve_hyperparameters,
+)
+from gateway.protocol import CursorPage
+from gateway.queue import enqueue
+from gateway.tenancy.keys import Principal
+
+logger = logging.getLogger(__name__)
+
+
+def _request_hash(body: JobCreate) -> str:
+    return hashlib.sha256(
+        orjson.dumps(body.model_dump(exclude_none=True), option=orjson.OPT_SORT_KEYS)
+    ).hexdigest()
+
+
+async def _owned_file(res: Resources, org_id: str, file_id: str, purpose: str, param: str) -> asyncpg.Record:
+    row = await files_store.get(res.pool, org_id=org_id, file_id=file_id)
+    if row is None:
+        raise InvalidRequest(f"File '{file_id}' does not exist.", param=param, code="invalid_file")
+    if row["purpose"] != purpose:
+        raise InvalidRequest(
+            f"File '{file_id}' has purpose '{row['purpose']}'; expected '{purpose}'.",
+            param=param,
+            code="invalid_file_purpose",
+        )
+    return row
+
+
+async def create(
+    res: Resources, who: Principal, body: JobCreate, idempotency_key: str | None
+) -> FineTuningJob:
+    org = who.organization_id
+    request_hash = _request_hash(body)
+    if idempotency_key:
+        existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key)
+        if existing is not None:
+            return _replay(existing, request_hash)
+
+    if body.model not in res.settings.base_models:
+        raise InvalidRequest(
+            f"Model '{body.model}' is not available for fine-tuning; choose one of "
+            f"{', '.join(sorted(res.settings.base_models))}.",
+            param="model",
+            code="model_not_available",
+        )
+    check_suffix(body.suffix)
+    check_metadata(body.metadata)
+    spec = normalise_method(body.method, body.hyperparameters)
+    training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
+    if body.validation_file:
+        await _owned_file(res, org, body.validation_file, "fine-tune", "validation_file")
+    if spec.environment is not None:
+        await _owned_file(
+            res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
+        )
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    method: dict[str, Any] = {"type": spec.type, spec.type: {"hyperparameters": spec.hyperparameters}}
+    if spec.grader is not None:
+        method[spec.type]["grader"] = spec.grader
+    if spec.environment is not None:
+        method[spec.type]["environment"] = spec.environment
+
+    try:
+        row = await store.insert(
+            res.pool,
+            org_id=org,
+            api_key_id=who.api_key_id,
+            model=body.model,
+            training_file=body.training_file,
+            validation_file=body.validation_file,
+            method=method,
+            hyperparameters=spec.hyperparameters,
+            seed=seed,
+            suffix=body.suffix,
+            metadata=body.metadata,
+            integrations=body.integrations,
+            idempotency_key=idempotency_key,
+            request_hash=request_hash,
+        )
+    except asyncpg.UniqueViolationError:
+        existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key or "")
+        assert existing is not None
+        return _replay(existing, request_hash)
+    job_id = row["id"]
+    await store.add_event(
+        res.pool, job_id=job_id, org_id=org, message=f"Created fine-tuning job: {job_id}", dedup_key="created"
+    )
+    await store.add_event(
+        res.pool,
+        job_id=job_id,
+        org_id=org,
+        message=f"Validating training file: {body.training_file}",
+        dedup_key="validating",
+    )
+
+    path = res.blobs.path(training["blob_key"])
+    try:
+        summary = await anyio.to_thread.run_sync(
+            lambda: check_training_file(path, spec.type, max_line_bytes=res.settings.max_jsonl_line_bytes)
+        )
+    except (RowError, InvalidRequest) as exc:
+        message = str(exc) if isinstance(exc, RowError) else exc.message
+        error = {
+            "code": "invalid_training_file",
+            "message": f"Training file {body.training_file}: {message}",
+            "param": "training_file",
+        }
+        failed = await store.to_failed(
+            res.pool, job_id=job_id, error=error, from_states=("validating_files",)
+        )
+        await store.add_event(
+            res.pool,
+            job_id=job_id,
+            org_id=org,
+            level="error",
+            message=error["message"],
+            dedup_key="validation_failed",
+        )
+        return FineTuningJob.from_row(failed or row)
+
+    hp = resolve_hyperparameters(spec, summary)
+    method[spec.type]["hyperparameters"] = {
+        k: v for k, v in hp.items() if k not in ("total_steps", "learning_rate")
+    }
+    queued = await store.to_queued(
+        res.pool, job_id=job_id, method=method, hyperparameters=hp, total_steps=hp["total_steps"]
+    )
+    if queued is None:  # cancelled while validating
+        current = await store.get(res.pool, org_id=org, job_id=job_id)
+        assert current is not None
+        return FineTuningJob.from_row(current)
+    await store.add_event(
+        res.pool,
+        job_id=job_id,
+        org_id=org,
+        message="Files validated, moving job to queued state",
+        dedup_key="queued:1",
+    )
+    await enqueue(res.queue, res.settings.queue_name, job_id, queued["queue_generation"])
+    return FineTuningJob.from_row(queued)
+
+
+def _replay(existing: asyncpg.Record, request_hash: str) -> FineTuningJob:
+    if existing["request_hash"] != request_hash:
+        raise Conflict(
+            "This Idempotency-Key was already used with a different request body.",
+            param="Idempotency-Key",
+            code="idempotency_key_reused",
+        )
+    return FineTuningJob.from_row(existing)
+
+
+async def get(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
+    row = await store.get(res.pool, org_id=who.organization_id, job_id=job_id)
+    if row is None:
+        raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
+    return FineTuningJob.from_row(row)
+
+
+async def list_jobs(
+    res: Resources, who: Principal, *, after: str | None, limit: int, metadata: dict[str, str] | None
+) -> CursorPage[FineTuningJob]:
+    rows = await store.list_page(
+        res.pool, org_id=who.organization_id, after=after, limit=limit + 1, metadata=metadata
+    )
+    return CursorPage[FineTuningJob].of([FineTuningJob.from_row(r) for r in rows], limit)
+
+
+async def _transition(res: Resources, who: Principal, job_id: str, action: str) -> asyncpg.Record:
+    fn = {"cancel": store.cancel, "pause": store.pause, "resume": store.resume}[action]
+    row = await fn(res.pool, org_id=who.organization_id, job_id=job_id)
+    if row is None:
+        current = await get(res, who, job_id)  # 404 for unknown or foreign ids
+        raise InvalidRequest(
+            f"Cannot {action} a job whose status is '{current.status}'.",
+            param="fine_tuning_job_id",
+            code="invalid_state",
+        )
+    return row
+
+
+async def cancel(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
+    row = await _transition(res, who, job_id, "cancel")
+    await store.add_event(
+        res.pool, job_id=job_id, org_id=who.organization_id, message="Job cancelled", dedup_key="cancelled"
+    )
+    return FineTuningJob.from_row(row)
+
+
+async def pause(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
+    row = await _transition(res, who, job_id, "pause")
+    await store.add_event(res.pool, job_id=job_id, org_id=who.organization_id, message="Job paused")
+    return FineTuningJob.from_row(row)
+
+
+async def resume(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
+    row = await _transition(res, who, job_id, "resume")
+    await store.add_event(
+        res.pool,
+        job_id=job_id,
+        org_id=who.organization_id,
+        message="Job resumed",
+        dedup_key=f"queued:{row['queue_generation']}",
+    )
+    await enqueue(res.queue, res.settings.queue_name, job_id, row["queue_generation"])
+    return FineTuningJob.from_row(row)
+
+
+async def events(
+    res: Resources, who: Principal, job_id: str, *, after: str | None, limit: int
+) -> CursorPage[JobEvent]:
+    await get(res, who, job_id)
+    rows = await store.list_events(
+        res.pool, org_id=who.organization_id, job_id=job_id, after=after, limit=limit + 1
+    )
+    return CursorPage[JobEvent].of([JobEvent.from_row(r) for r in rows], limit)
+
+
+async def checkpoints(
+    res: Resources, who: Principal, job_id: str, *, after: str | None, limit: int
+) -> CursorPage[JobCheckpoint]:
+    await get(res, who, job_id)
+    rows = await store.list_checkpoints(
+        res.pool, org_id=who.organization_id, job_id=job_id, after=after, limit=limit + 1
+    )
+    return CursorPage[JobCheckpoint].of([JobCheckpoint.from_row(r) for r in rows], limit)

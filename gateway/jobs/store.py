@@ -1,0 +1,155 @@
+"""Fine-tuning jobs, events and checkpoints: plain SQL.
+
+State changes are single statements guarded by the allowed previous states, so concurrent actors (API calls,
+workers, the reaper) cannot race a job into an impossible state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from gateway.db import Conn
+from gateway.ids import new_id
+
+INSERT = """
+INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
+    method, hyperparameters, seed, suffix, metadata, integrations, idempotency_key, request_hash)
+VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14)
+RETURNING *"""
+GET = "SELECT * FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
+GET_ANY = "SELECT * FROM fine_tuning_jobs WHERE id = $1"
+BY_IDEMPOTENCY_KEY = "SELECT * FROM fine_tuning_jobs WHERE organization_id = $1 AND idempotency_key = $2"
+LIST = """
+SELECT * FROM fine_tuning_jobs
+WHERE organization_id = $1
+  AND ($2::text IS NULL OR seq < (SELECT seq FROM fine_tuning_jobs WHERE id = $2 AND organization_id = $1))
+  AND ($3::jsonb IS NULL OR metadata @> $3::jsonb)
+ORDER BY seq DESC LIMIT $4"""
+
+TO_QUEUED = """
+UPDATE fine_tuning_jobs
+SET status = 'queued', method = $2, hyperparameters = $3, total_steps = $4,
+    queued_at = now(), queue_generation = queue_generation + 1
+WHERE id = $1 AND status = 'validating_files' RETURNING *"""
+TO_FAILED = """
+UPDATE fine_tuning_jobs SET status = 'failed', error = $2, finished_at = now(), worker_id = NULL
+WHERE id = $1 AND status = ANY($3::text[]) RETURNING *"""
+CANCEL = """
+UPDATE fine_tuning_jobs SET status = 'cancelled', finished_at = now()
+WHERE id = $1 AND organization_id = $2
+  AND status IN ('validating_files', 'queued', 'running', 'paused') RETURNING *"""
+PAUSE = """
+UPDATE fine_tuning_jobs SET status = 'paused'
+WHERE id = $1 AND organization_id = $2 AND status IN ('queued', 'running') RETURNING *"""
+RESUME = """
+UPDATE fine_tuning_jobs SET status = 'queued', queued_at = now(), queue_generation = queue_generation + 1
+WHERE id = $1 AND organization_id = $2 AND status = 'paused' RETURNING *"""
+
+INSERT_EVENT = """
+INSERT INTO fine_tuning_job_events (id, job_id, organization_id, level, message, type, data, dedup_key)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (job_id, dedup_key) DO NOTHING"""
+LIST_EVENTS = """
+SELECT * FROM fine_tuning_job_events
+WHERE job_id = $1 AND organization_id = $2
+  AND ($3::text IS NULL OR seq < (SELECT seq FROM fine_tuning_job_events WHERE id = $3 AND job_id = $1))
+ORDER BY seq DESC LIMIT $4"""
+LIST_CHECKPOINTS = """
+SELECT * FROM fine_tuning_job_checkpoints
+WHERE job_id = $1 AND organization_id = $2
+  AND ($3::text IS NULL OR seq < (SELECT seq FROM fine_tuning_job_checkpoints WHERE id = $3 AND job_id = $1))
+ORDER BY seq DESC LIMIT $4"""
+
+
+async def insert(conn: Conn, **kw: Any) -> asyncpg.Record:
+    return await conn.fetchrow(
+        INSERT,
+        new_id("ftjob-"),
+        kw["org_id"],
+        kw["api_key_id"],
+        kw["model"],
+        kw["training_file"],
+        kw["validation_file"],
+        kw["method"],
+        kw["hyperparameters"],
+        kw["seed"],
+        kw["suffix"],
+        kw["metadata"],
+        kw["integrations"],
+        kw["idempotency_key"],
+        kw["request_hash"],
+    )
+
+
+async def get(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(GET, job_id, org_id)
+
+
+async def get_any(conn: Conn, *, job_id: str) -> asyncpg.Record | None:
+    """A job by id alone — for the worker, which acts for every organisation."""
+    return await conn.fetchrow(GET_ANY, job_id)
+
+
+async def by_idempotency_key(conn: Conn, *, org_id: str, key: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(BY_IDEMPOTENCY_KEY, org_id, key)
+
+
+async def list_page(
+    conn: Conn, *, org_id: str, after: str | None, limit: int, metadata: dict[str, str] | None
+) -> list[asyncpg.Record]:
+    return await conn.fetch(LIST, org_id, after, metadata, limit)
+
+
+async def to_queued(
+    conn: Conn, *, job_id: str, method: dict[str, Any], hyperparameters: dict[str, Any], total_steps: int
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(TO_QUEUED, job_id, method, hyperparameters, total_steps)
+
+
+async def to_failed(
+    conn: Conn, *, job_id: str, error: dict[str, Any], from_states: tuple[str, ...]
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(TO_FAILED, job_id, error, list(from_states))
+
+
+async def cancel(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(CANCEL, job_id, org_id)
+
+
+async def pause(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(PAUSE, job_id, org_id)
+
+
+async def resume(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(RESUME, job_id, org_id)
+
+
+async def add_event(
+    conn: Conn,
+    *,
+    job_id: str,
+    org_id: str,
+    message: str,
+    level: str = "info",
+    type: str = "message",
+    data: dict[str, Any] | None = None,
+    dedup_key: str | None = None,
+) -> None:
+    """Record an event; with a `dedup_key`, the same event is recorded once however often it is sent."""
+    await conn.execute(
+        INSERT_EVENT, new_id("ftevent-"), job_id, org_id, level, message, type, data, dedup_key
+    )
+
+
+async def list_events(
+    conn: Conn, *, org_id: str, job_id: str, after: str | None, limit: int
+) -> list[asyncpg.Record]:
+    return await conn.fetch(LIST_EVENTS, job_id, org_id, after, limit)
+
+
+async def list_checkpoints(
+    conn: Conn, *, org_id: str, job_id: str, after: str | None, limit: int
+) -> list[asyncpg.Record]:
+    return await conn.fetch(LIST_CHECKPOINTS, job_id, org_id, after, limit)

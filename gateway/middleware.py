@@ -1,0 +1,68 @@
+"""One plain ASGI middleware for every request: an `x-request-id`, and Prometheus request metrics.
+
+Plain ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and cheaply.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+class Metrics:
+    """The gateway's Prometheus metrics, in a registry of its own (one per app)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "tunegate_http_requests_total",
+            "HTTP requests by route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "tunegate_http_request_duration_seconds",
+            "Time to the response's first byte",
+            ["method", "route"],
+            registry=self.registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+
+
+class RequestContextMiddleware:
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = "req_" + uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        started = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers: list[Any] = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message["headers"] = headers
+                route = scope.get("route")
+                path = getattr(route, "path", "unmatched")
+                self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(
+                scope["method"], getattr(route, "path", "unmatched"), str(status)
+            ).inc()

@@ -1,0 +1,71 @@
+"""Models API: base models from the registry, and the caller's fine-tuned models."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+
+from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.errors import PermissionDenied, not_found
+from gateway.models import store
+from gateway.protocol import OpenAIBaseModel
+from gateway.timeutil import ts
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+class Model(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[Model]
+
+
+class ModelDeleted(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = True
+
+
+def _base_models(res: ResourcesDep) -> list[Model]:
+    started = int(res.extras.get("started_at", 0))  # type: ignore[call-overload]
+    return [
+        Model(id=name, created=started, owned_by=cfg.owned_by)
+        for name, cfg in res.settings.base_models.items()
+    ]
+
+
+@router.get("")
+async def list_models(res: ResourcesDep, who: PrincipalDep) -> ModelList:
+    own = await store.list_for_org(res.pool, org_id=who.organization_id)
+    return ModelList(
+        data=_base_models(res)
+        + [Model(id=r["id"], created=ts(r["created_at"]) or 0, owned_by=r["organization_id"]) for r in own]
+    )
+
+
+@router.get("/{model_id:path}")
+async def retrieve_model(model_id: str, res: ResourcesDep, who: PrincipalDep) -> Model:
+    for m in _base_models(res):
+        if m.id == model_id:
+            return m
+    row = await store.get(res.pool, org_id=who.organization_id, model_id=model_id)
+    if row is None:
+        raise not_found("model", model_id, param="model", code="model_not_found")
+    return Model(id=row["id"], created=ts(row["created_at"]) or 0, owned_by=row["organization_id"])
+
+
+@router.delete("/{model_id:path}")
+async def delete_model(model_id: str, res: ResourcesDep, who: PrincipalDep) -> ModelDeleted:
+    if model_id in res.settings.base_models:
+        raise PermissionDenied(f"Base model '{model_id}' cannot be deleted.", param="model")
+    row = await store.delete(res.pool, org_id=who.organization_id, model_id=model_id)
+    if row is None:
+        raise not_found("model", model_id, param="model", code="model_not_found")
+    return ModelDeleted(id=model_id)

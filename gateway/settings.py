@@ -1,0 +1,121 @@
+"""The one settings object. Every value comes from a `TUNEGATE_*` environment variable or its default.
+
+Nothing else in the project reads the environment: processes build a `Settings` once and pass it down.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class BaseModelConfig(BaseModel):
+    """One base model that jobs may fine-tune and clients may chat with."""
+
+    path: Path | None = None
+    """Local HF-format directory. Empty for `tiny-chat` means `<data_dir>/models/tiny-chat` (made offline)."""
+    upstreams: list[str] = Field(default_factory=list)
+    """Base URLs (without `/v1`) of the inference engines that serve this model."""
+    owned_by: str = "tunegate"
+    """What `/v1/models` reports as the owner."""
+
+
+def _default_base_models() -> dict[str, BaseModelConfig]:
+    return {"tiny-chat": BaseModelConfig()}
+
+
+class Settings(BaseSettings):
+    """Settings of every tunegate process (gateway, worker, engine, CLI)."""
+
+    model_config = SettingsConfigDict(env_prefix="TUNEGATE_", env_nested_delimiter="__", extra="ignore")
+
+    data_dir: Path = Field(default_factory=lambda: Path.home() / ".tunegate")
+    """Where blobs, job work dirs, the tiny model and the embedded databases live."""
+    database_url: str | None = None
+    """PostgreSQL DSN. Unset: `tunegate up` starts an embedded PostgreSQL under the data dir."""
+    redis_url: str | None = None
+    """Redis URL. Unset: `tunegate up` starts an embedded Redis under the data dir."""
+    admin_key: SecretStr | None = None
+    """Bearer token of the admin API. Unset: generated once and stored in `<data_dir>/admin_key`."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway binds to."""
+    port: int = 8000
+    """Port the gateway listens on."""
+    engine_port: int = 8100
+    """Port of the embedded inference engine that `tunegate up` starts."""
+
+    base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
+    """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`."""
+
+    max_upload_bytes: int = 512 * 1024 * 1024
+    """Largest file accepted by `POST /v1/files` (OpenAI's limit: 512 MB)."""
+    max_jsonl_line_bytes: int = 8 * 1024 * 1024
+    """Largest single line of a `fine-tune` JSONL upload."""
+    max_environment_bytes: int = 64 * 1024 * 1024
+    """Largest environment package archive."""
+
+    db_pool_min: int = 1
+    """Smallest size of the PostgreSQL connection pool."""
+    db_pool_max: int = 10
+    """Largest size of the PostgreSQL connection pool."""
+    auth_cache_ttl_s: float = 10.0
+    """How long a gateway trusts a cached API-key lookup (revocations on the same gateway apply at once)."""
+    queue_name: str = "tunegate:jobs"
+    """Name of the arq queue that carries fine-tuning jobs."""
+    requeue_interval_s: int = 10
+    """How often the worker looks for queued jobs that missed the queue (e.g. Redis was down at create)."""
+    log_level: str = "info"
+    """Log level of every process."""
+
+    training_slots: int = 1
+    """Jobs one worker trains at once (one per GPU; 1 on a CPU machine)."""
+    heartbeat_interval_s: float = 1.0
+    """How often a worker proves it is alive and checks for cancel/pause of its jobs."""
+    stale_after_s: float = 30.0
+    """A running job whose heartbeat is older than this is taken from its (dead) worker and re-queued."""
+    max_attempts: int = 3
+    """Times a job may be started (first run plus re-queues after lost workers) before it fails."""
+    stop_grace_s: float = 60.0
+    """How long a trainer gets to checkpoint and exit after SIGTERM before it is killed."""
+
+    @cached_property
+    def blob_dir(self) -> Path:
+        """Root of the local blob store."""
+        return self.data_dir / "blobs"
+
+    def base_model_path(self, model_id: str) -> Path:
+        """Local directory of a configured base model."""
+        entry = self.base_models[model_id]
+        if entry.path is not None:
+            return entry.path
+        return self.data_dir / "models" / model_id
+
+    def admin_key_value(self) -> str | None:
+        """The admin key, from the settings or from the data dir where `tunegate up` stored it."""
+        if self.admin_key is not None:
+            return self.admin_key.get_secret_value()
+        stored = self.data_dir / "admin_key"
+        if stored.exists():
+            return stored.read_text().strip()
+        return None
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """`TUNEGATE_*` variables that recreate these settings in a child process."""
+    env = {
+        "TUNEGATE_DATA_DIR": str(settings.data_dir),
+        "TUNEGATE_BASE_MODELS": "{"
+        + ",".join(f'"{k}":{v.model_dump_json()}' for k, v in settings.base_models.items())
+        + "}",
+    }
+    if settings.database_url:
+        env["TUNEGATE_DATABASE_URL"] = settings.database_url
+    if settings.redis_url:
+        env["TUNEGATE_REDIS_URL"] = settings.redis_url
+    if settings.admin_key is not None:
+        env["TUNEGATE_ADMIN_KEY"] = settings.admin_key.get_secret_value()
+    return env

@@ -1,0 +1,203 @@
+"""The worker (scheduler), in arq's idiom: `run_job` trains one job; cron tasks re-enqueue jobs that missed
+the queue and take jobs back from workers that died.
+
+A queue message only wakes a worker: `run_job` claims the fairest queued job in one SQL statement (the
+organisation with the fewest running jobs first), so one organisation's many jobs cannot starve another's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import asyncpg
+from arq import cron
+from arq.worker import Worker
+
+from gateway.blobstore import BlobStore
+from gateway.db import create_pool, migrate
+from gateway.ids import new_id
+from gateway.jobs import store as jobs_store
+from gateway.queue import RUN_JOB, enqueue, make_queue
+from gateway.settings import Settings
+from gateway.worker import store
+from gateway.worker.runner import JobRun
+
+logger = logging.getLogger(__name__)
+
+
+async def startup(ctx: dict[str, Any]) -> None:
+    settings: Settings = ctx["settings"]
+    assert settings.database_url
+    await migrate(settings.database_url)
+    ctx["pool"] = await create_pool(settings.database_url, min_size=1, max_size=4)
+    ctx["blobs"] = BlobStore(settings.blob_dir)
+    ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
+    ctx["slots"] = asyncio.Semaphore(settings.training_slots)
+    logger.info("worker %s ready", ctx["worker_id"])
+
+
+async def shutdown(ctx: dict[str, Any]) -> None:
+    pool: asyncpg.Pool | None = ctx.get("pool")
+    if pool is not None:
+        await pool.close()
+
+
+async def run_job(ctx: dict[str, Any], job_id: str) -> str:
+    """Claim the fairest queued job (usually `job_id`) and train it to the end of its trainer run."""
+    pool: asyncpg.Pool = ctx["pool"]
+    settings: Settings = ctx["settings"]
+    worker_id: str = ctx["worker_id"]
+    async with ctx["slots"]:
+        job = await store.claim(pool, worker_id=worker_id)
+        if job is None:
+            return "nothing to claim"
+        return await _train(
+            ctx, JobRun(job, pool=pool, blobs=ctx["blobs"], settings=settings, worker_id=worker_id)
+        )
+
+
+async def _train(ctx: dict[str, Any], run: JobRun) -> str:
+    pool: asyncpg.Pool = ctx["pool"]
+    job = run.job
+    resumed = job["last_checkpoint"]
+    await jobs_store.add_event(
+        pool,
+        job_id=run.job_id,
+        org_id=run.org_id,
+        message=f"Fine-tuning job started (attempt {job['attempts']})"
+        + (f", resuming from step {job['current_step']}" if resumed else ""),
+        dedup_key=f"started:{job['attempts']}",
+    )
+    try:
+        outcome = await run.run()
+    except asyncio.CancelledError:
+        # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
+        await asyncio.shield(_hand_back(run, ctx))
+        raise
+    except Exception as exc:
+        logger.exception("job %s: worker error", run.job_id)
+        await run.fail("worker_error", f"{type(exc).__name__}: {exc}")
+        return "failed"
+    return await asyncio.shield(_finish(run, outcome, ctx))
+
+
+async def _finish(run: JobRun, outcome: Any, ctx: dict[str, Any]) -> str:
+    pool: asyncpg.Pool = ctx["pool"]
+    if outcome.kind == "result":
+        row = await run.succeed(outcome.event)
+        if row is not None:
+            run.cleanup()
+            return "succeeded"
+    elif outcome.kind in ("error", "crashed") and run.stop_reason is None:
+        await run.fail(
+            outcome.event.get("code", "trainer_error"), outcome.event.get("message", "training failed")
+        )
+        return "failed"
+    # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
+    released = await store.release(pool, job_id=run.job_id, worker_id=run.worker_id)
+    if released is not None and released["status"] == "running":
+        await store.requeue_own(pool, job_id=run.job_id, worker_id=run.worker_id)
+    if released is not None and released["status"] == "queued":
+        await enqueue(ctx["redis"], ctx["settings"].queue_name, run.job_id, released["queue_generation"])
+    if released is not None and released["status"] == "cancelled":
+        run.cleanup()
+    return released["status"] if released is not None else "lost"
+
+
+async def _hand_back(run: JobRun, ctx: dict[str, Any]) -> None:
+    await run.stop("worker shutdown")
+    if run.proc is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(run.proc.wait(), ctx["settings"].stop_grace_s)
+    row = await store.requeue_own(ctx["pool"], job_id=run.job_id, worker_id=run.worker_id)
+    if row is None:
+        await store.release(ctx["pool"], job_id=run.job_id, worker_id=run.worker_id)
+    else:
+        await enqueue(ctx["redis"], ctx["settings"].queue_name, run.job_id, row["queue_generation"])
+
+
+async def requeue_missed(ctx: dict[str, Any]) -> int:
+    """Enqueue queued jobs that have no message (Redis was down at create, or a wake-up was spent)."""
+    sent = 0
+    for row in await store.queued_unclaimed(ctx["pool"]):
+        if await enqueue(ctx["redis"], ctx["settings"].queue_name, row["id"], row["queue_generation"]):
+            sent += 1
+    return sent
+
+
+async def reap_stale(ctx: dict[str, Any]) -> int:
+    """Take jobs back from workers that stopped heartbeating: re-queue them, or fail them after N attempts."""
+    settings: Settings = ctx["settings"]
+    pool: asyncpg.Pool = ctx["pool"]
+    reaped = 0
+    for row in await store.stale(pool, after_s=settings.stale_after_s):
+        if row["attempts"] >= settings.max_attempts:
+            message = f"The job's worker was lost {row['attempts']} times; giving up."
+            error = {"code": "max_attempts_exceeded", "param": None, "message": message}
+            failed = await store.fail_stale(pool, job_id=row["id"], worker_id=row["worker_id"], error=error)
+            if failed is not None:
+                await jobs_store.add_event(
+                    pool,
+                    job_id=row["id"],
+                    org_id=row["organization_id"],
+                    level="error",
+                    message=message,
+                    dedup_key="failed",
+                )
+            reaped += 1
+            continue
+        requeued = await store.requeue_stale(pool, job_id=row["id"], worker_id=row["worker_id"])
+        if requeued is None:
+            continue
+        reaped += 1
+        if requeued["status"] == "queued":
+            await jobs_store.add_event(
+                pool,
+                job_id=row["id"],
+                org_id=row["organization_id"],
+                level="warn",
+                message="The job's worker stopped responding; the job was re-queued"
+                + (" and will resume from its last checkpoint" if row["last_checkpoint"] else ""),
+                dedup_key=f"requeued:{requeued['queue_generation']}",
+            )
+            await enqueue(ctx["redis"], settings.queue_name, row["id"], requeued["queue_generation"])
+    return reaped
+
+
+def build_worker(settings: Settings) -> Worker:
+    """The arq worker for these settings."""
+    assert settings.redis_url
+    every = max(1, settings.requeue_interval_s)
+    seconds = set(range(0, 60, every))
+    return Worker(
+        functions=[run_job],
+        cron_jobs=[
+            cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
+        ],
+        redis_pool=make_queue(settings.redis_url),
+        queue_name=settings.queue_name,
+        on_startup=startup,
+        on_shutdown=shutdown,
+        ctx={"settings": settings},
+        max_jobs=settings.training_slots + 2,  # slots + room for the periodic tasks
+        job_timeout=7 * 24 * 3600,
+        keep_result=0,
+        max_tries=1000,
+        poll_delay=0.2,
+        handle_signals=True,
+    )
+
+
+def run_worker(settings: Settings) -> None:
+    """Run a worker in the foreground until SIGINT/SIGTERM."""
+    worker = build_worker(settings)
+    worker.run()
+
+
+__all__ = ["RUN_JOB", "build_worker", "run_job", "run_worker"]

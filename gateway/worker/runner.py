@@ -1,0 +1,399 @@
+"""One training run: prepare the work dir, spawn `python -m trainer run SPEC.json`, turn its events into
+rows, heartbeat, and stop the trainer when the job is cancelled or paused.
+
+Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
+step, checkpoints by step, milestones by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import ctypes
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from gateway.blobstore import BlobStore
+from gateway.ids import new_id
+from gateway.jobs import store as jobs_store
+from gateway.models import store as models_store
+from gateway.settings import Settings, settings_env
+from gateway.worker import store
+
+logger = logging.getLogger(__name__)
+
+TRAINER_HYPERPARAMETERS = (
+    "n_epochs",
+    "batch_size",
+    "learning_rate",
+    "beta",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "kl_beta",
+    "max_steps",
+    "checkpoint_every",
+    "lora_r",
+    "lora_alpha",
+)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the trainer child: get SIGKILL when the worker dies, so no orphan trains on."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+def fine_tuned_model_name(job: asyncpg.Record) -> str:
+    """`ft:<base>:<org>:<suffix>:<job>` (an empty suffix leaves an empty field, as OpenAI does)."""
+    return f"ft:{job['model']}:{job['organization_id']}:{job['suffix'] or ''}:{job['id']}"
+
+
+@dataclass
+class RunOutcome:
+    """How a trainer run ended."""
+
+    kind: str  # "result" | "error" | "stopped" | "crashed"
+    event: dict[str, Any] = field(default_factory=dict)
+    stderr_tail: str = ""
+
+
+class JobRun:
+    """Runs one claimed job to the end of its trainer process."""
+
+    def __init__(
+        self, job: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings, worker_id: str
+    ) -> None:
+        self.job = job
+        self.job_id: str = job["id"]
+        self.org_id: str = job["organization_id"]
+        self.pool = pool
+        self.blobs = blobs
+        self.settings = settings
+        self.worker_id = worker_id
+        self.workdir = settings.data_dir / "work" / self.job_id
+        self.metrics_rows: list[dict[str, Any]] = []
+        self.step: int | None = job["current_step"]
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stop_reason: str | None = None
+
+    # ---- preparation -------------------------------------------------------------------------
+    async def _file_path(self, file_id: str) -> Path:
+        row = await self.pool.fetchrow(
+            "SELECT blob_key FROM files WHERE id = $1 AND organization_id = $2", file_id, self.org_id
+        )
+        if row is None:
+            raise FileNotFoundError(f"file {file_id} was deleted before training started")
+        return self.blobs.path(row["blob_key"])
+
+    async def write_spec(self) -> Path:
+        job = self.job
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        method = job["method"]
+        kind = method["type"]
+        body = method.get(kind, {})
+        hp = {k: v for k, v in job["hyperparameters"].items() if k in TRAINER_HYPERPARAMETERS}
+        environment = None
+        if body.get("environment"):
+            environment = {
+                "package_dir": str(self.workdir / "environment"),
+                "config": body["environment"].get("config", {}),
+            }
+        upstreams = self.settings.base_models[job["model"]].upstreams
+        spec = {
+            "job_id": self.job_id,
+            "method": kind,
+            "base_model": str(self.settings.base_model_path(job["model"])),
+            "training_file": str(await self._file_path(job["training_file"])),
+            "validation_file": str(await self._file_path(job["validation_file"]))
+            if job["validation_file"]
+            else None,
+            "output_dir": str(self.workdir / "out"),
+            "resume_from_checkpoint": job["last_checkpoint"],
+            "seed": job["seed"],
+            "hyperparameters": hp,
+            "grader": body.get("grader"),
+            "environment": environment,
+            "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
+            "inference_api_key": None,
+        }
+        path = self.workdir / "spec.json"
+        path.write_text(json.dumps(spec, indent=2))
+        return path
+
+    # ---- the run -------------------------------------------------------------------------------
+    async def run(self) -> RunOutcome:
+        spec = await self.write_spec()
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "PYTHONUNBUFFERED": "1",
+            "HOME": str(self.workdir),
+            **settings_env(self.settings),
+        }
+        env.pop("TUNEGATE_ADMIN_KEY", None)  # the trainer needs no secrets
+        stderr_path = self.workdir / "trainer.log"
+        with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "trainer",
+                "run",
+                str(spec),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                cwd=str(self.workdir),
+                preexec_fn=_die_with_parent,
+                limit=16 * 1024 * 1024,
+            )
+            beat = asyncio.create_task(self._heartbeat())
+            outcome: RunOutcome | None = None
+            try:
+                assert self.proc.stdout is not None
+                async for raw in self.proc.stdout:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line:
+                        continue
+                    try:
+                        event = json.loads(line)
+                    except json.JSONDecodeError:
+                        logger.warning("job %s: trainer wrote a non-event line: %.200s", self.job_id, line)
+                        continue
+                    final = await self.handle(event)
+                    if final is not None:
+                        outcome = final
+                await self.proc.wait()
+            finally:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+        if outcome is None:
+            tail = _tail(stderr_path)
+            outcome = RunOutcome(
+                "crashed",
+                {
+                    "code": "trainer_crashed",
+                    "message": tail or f"trainer exited with code {self.proc.returncode}",
+                },
+                tail,
+            )
+        return outcome
+
+    async def stop(self, reason: str) -> None:
+        """Ask the trainer to checkpoint and exit (SIGTERM); kill it if it does not within the grace time."""
+        self.stop_reason = reason
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+        async def _kill_later() -> None:
+            await asyncio.sleep(self.settings.stop_grace_s)
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        asyncio.get_running_loop().create_task(_kill_later())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                status = await store.heartbeat(
+                    self.pool, job_id=self.job_id, worker_id=self.worker_id, step=self.step
+                )
+            except (OSError, asyncpg.PostgresError) as exc:
+                logger.warning("job %s: heartbeat failed: %s", self.job_id, exc)
+                continue
+            if status != "running" and self.stop_reason is None:
+                logger.info("job %s is %s: stopping its trainer", self.job_id, status)
+                await self.stop(status or "lost")
+
+    # ---- events -----------------------------------------------------------------------------------
+    async def handle(self, event: dict[str, Any]) -> RunOutcome | None:
+        kind = event.get("type")
+        if kind == "metrics":
+            step = int(event["step"])
+            self.step = step
+            data = dict(event.get("data") or {})
+            data.setdefault("step", step)
+            data["total_steps"] = event.get("total_steps")
+            self.metrics_rows.append(data)
+            await jobs_store.add_event(
+                self.pool,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                type="metrics",
+                data=data,
+                message=_metrics_message(step, event.get("total_steps"), data),
+                dedup_key=f"metrics:{step}",
+            )
+        elif kind == "checkpoint":
+            await self._checkpoint(int(event["step"]), Path(event["path"]), event.get("metrics") or {})
+        elif kind == "message":
+            level = {"warning": "warn"}.get(event.get("level", "info"), event.get("level", "info"))
+            await jobs_store.add_event(
+                self.pool,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                level=level if level in ("info", "warn", "error") else "info",
+                message=str(event.get("message", ""))[:4000],
+            )
+        elif kind == "result":
+            return RunOutcome("result", event)
+        elif kind == "error":
+            return RunOutcome("error", event)
+        elif kind == "stopped":
+            return RunOutcome("stopped", event)
+        return None
+
+    async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
+        key = f"checkpoints/{self.org_id}/{self.job_id}/step-{step}"
+        stored = await asyncio.to_thread(self.blobs.put_tree, path, key)
+        name = f"{fine_tuned_model_name(self.job)}:ckpt-step-{step}"
+        metrics = {"step": step, **metrics}
+        await store.add_checkpoint(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            step=step,
+            metrics=metrics,
+            model_name=name,
+            path=str(stored),
+        )
+        await jobs_store.add_event(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            message=f"Checkpoint saved at step {step}",
+            dedup_key=f"checkpoint:{step}",
+        )
+
+    # ---- the end ------------------------------------------------------------------------------------
+    async def succeed(self, event: dict[str, Any]) -> asyncpg.Record | None:
+        """Store the adapter, register the model and the result file, and mark the job succeeded — one
+        transaction, guarded by this worker still holding a running job."""
+        model = fine_tuned_model_name(self.job)
+        adapter = await asyncio.to_thread(
+            self.blobs.put_tree, Path(event["adapter_path"]), f"adapters/{self.org_id}/{self.job_id}"
+        )
+        csv_bytes = _metrics_csv(await self._all_metrics())
+        file_id = new_id("file-")
+        file_key = f"files/{self.org_id}/{file_id}"
+        temp = self.blobs.new_temp()
+        temp.write_bytes(csv_bytes)
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await store.succeed_own(
+                conn,
+                job_id=self.job_id,
+                worker_id=self.worker_id,
+                model=model,
+                trained_tokens=int(event.get("trained_tokens") or 0),
+                result_files=[file_id],
+                step=int(event.get("steps") or self.step or 0),
+            )
+            if row is None:
+                temp.unlink(missing_ok=True)
+                return None
+            await store.add_result_file(
+                conn,
+                file_id=file_id,
+                org_id=self.org_id,
+                filename="step_metrics.csv",
+                size=len(csv_bytes),
+                sha256=hashlib.sha256(csv_bytes).hexdigest(),
+                blob_key=file_key,
+            )
+            await models_store.insert(
+                conn,
+                model_id=model,
+                org_id=self.org_id,
+                base_model=self.job["model"],
+                job_id=self.job_id,
+                adapter_path=str(adapter),
+            )
+            await jobs_store.add_event(
+                conn,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                message=f"New fine-tuned model created: {model}",
+                dedup_key="model_created",
+            )
+            await jobs_store.add_event(
+                conn,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                message="The job has successfully completed",
+                dedup_key="succeeded",
+            )
+            self.blobs.commit(temp, file_key)
+        return row
+
+    async def _all_metrics(self) -> list[dict[str, Any]]:
+        rows = await self.pool.fetch(
+            "SELECT data FROM fine_tuning_job_events WHERE job_id = $1 AND type = 'metrics' ORDER BY seq",
+            self.job_id,
+        )
+        return [r["data"] for r in rows if r["data"]]
+
+    async def fail(self, code: str, message: str) -> asyncpg.Record | None:
+        error = {"code": code, "message": message, "param": None}
+        row = await store.fail_own(self.pool, job_id=self.job_id, worker_id=self.worker_id, error=error)
+        if row is not None:
+            await jobs_store.add_event(
+                self.pool,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                level="error",
+                message=f"Job failed: {message}",
+                dedup_key="failed",
+            )
+        return row
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _metrics_message(step: int, total: Any, data: dict[str, Any]) -> str:
+    parts = [f"Step {step}/{total}" if total else f"Step {step}"]
+    for key in ("train_loss", "reward_mean", "kl"):
+        if isinstance(data.get(key), int | float):
+            parts.append(f"{key}={data[key]:.4f}")
+    return ": ".join([parts[0], ", ".join(parts[1:])]) if len(parts) > 1 else parts[0]
+
+
+def _metrics_csv(rows: list[dict[str, Any]]) -> bytes:
+    """OpenAI's result file: one row per step."""
+    columns = ["step"] + sorted(
+        {k for r in rows for k in r if k != "step" and not isinstance(r[k], dict | list)}
+    )
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(r)
+    return out.getvalue().encode()
+
+
+def _tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    meaningful = [t for t in text if t.strip()]
+    return " ".join(meaningful[-lines:])[-500:]

@@ -1,0 +1,140 @@
+"""The worker's SQL: claiming, heartbeats, events, checkpoints and the end of a job.
+
+A worker acts for every organisation, so these statements take a job id; each row written still carries
+the job's organisation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from gateway.db import Conn
+from gateway.ids import new_id
+
+# The fairest queued job: the organisation with the fewest running jobs first, then the oldest in the queue.
+CLAIM = """
+WITH candidate AS (
+    SELECT j.id FROM fine_tuning_jobs j
+    WHERE j.status = 'queued' AND j.worker_id IS NULL
+    ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
+              WHERE r.organization_id = j.organization_id AND r.status = 'running'),
+             j.queued_at, j.seq
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE fine_tuning_jobs j
+SET status = 'running', worker_id = $1, heartbeat_at = now(), attempts = j.attempts + 1,
+    started_at = coalesce(j.started_at, now())
+FROM candidate WHERE j.id = candidate.id
+RETURNING j.*"""
+HEARTBEAT = """
+UPDATE fine_tuning_jobs SET heartbeat_at = now(), current_step = coalesce($3, current_step)
+WHERE id = $1 AND worker_id = $2 RETURNING status"""
+RELEASE = "UPDATE fine_tuning_jobs SET worker_id = NULL WHERE id = $1 AND worker_id = $2 RETURNING *"
+REQUEUE_OWN = """
+UPDATE fine_tuning_jobs
+SET status = 'queued', worker_id = NULL, queued_at = now(), queue_generation = queue_generation + 1
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+FAIL_OWN = """
+UPDATE fine_tuning_jobs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+SUCCEED_OWN = """
+UPDATE fine_tuning_jobs
+SET status = 'succeeded', fine_tuned_model = $3, trained_tokens = $4, result_files = $5, finished_at = now(),
+    worker_id = NULL, current_step = $6
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+SET_CHECKPOINT = "UPDATE fine_tuning_jobs SET last_checkpoint = $2 WHERE id = $1"
+INSERT_CHECKPOINT = """
+INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_number, metrics,
+    fine_tuned_model_checkpoint, path)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (job_id, step_number) DO NOTHING"""
+QUEUED_UNCLAIMED = """
+SELECT id, queue_generation FROM fine_tuning_jobs WHERE status = 'queued' AND worker_id IS NULL
+ORDER BY queued_at LIMIT 1000"""
+# Jobs whose worker stopped proving it is alive; `attempts` decides between a re-queue and a failure.
+STALE = """
+SELECT id, organization_id, attempts, worker_id, last_checkpoint FROM fine_tuning_jobs
+WHERE worker_id IS NOT NULL AND heartbeat_at < now() - make_interval(secs => $1)"""
+REQUEUE_STALE = """
+UPDATE fine_tuning_jobs
+SET status = CASE WHEN status = 'running' THEN 'queued' ELSE status END,
+    worker_id = NULL,
+    queued_at = CASE WHEN status = 'running' THEN now() ELSE queued_at END,
+    queue_generation = queue_generation + CASE WHEN status = 'running' THEN 1 ELSE 0 END
+WHERE id = $1 AND worker_id = $2 RETURNING *"""
+FAIL_STALE = """
+UPDATE fine_tuning_jobs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+INSERT_RESULT_FILE = """
+INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status, blob_key)
+VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
+
+
+async def claim(conn: Conn, *, worker_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(CLAIM, worker_id)
+
+
+async def heartbeat(conn: Conn, *, job_id: str, worker_id: str, step: int | None) -> str | None:
+    """Returns the job's status, or None when this worker no longer holds the job."""
+    return await conn.fetchval(HEARTBEAT, job_id, worker_id, step)
+
+
+async def release(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(RELEASE, job_id, worker_id)
+
+
+async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(REQUEUE_OWN, job_id, worker_id)
+
+
+async def fail_own(
+    conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(FAIL_OWN, job_id, worker_id, error)
+
+
+async def succeed_own(
+    conn: Conn,
+    *,
+    job_id: str,
+    worker_id: str,
+    model: str,
+    trained_tokens: int,
+    result_files: list[str],
+    step: int,
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(SUCCEED_OWN, job_id, worker_id, model, trained_tokens, result_files, step)
+
+
+async def add_checkpoint(
+    conn: Conn, *, job_id: str, org_id: str, step: int, metrics: dict[str, Any], model_name: str, path: str
+) -> None:
+    await conn.execute(INSERT_CHECKPOINT, new_id("ftckpt_"), job_id, org_id, step, metrics, model_name, path)
+    await conn.execute(SET_CHECKPOINT, job_id, path)
+
+
+async def queued_unclaimed(conn: Conn) -> list[asyncpg.Record]:
+    return await conn.fetch(QUEUED_UNCLAIMED)
+
+
+async def stale(conn: Conn, *, after_s: float) -> list[asyncpg.Record]:
+    return await conn.fetch(STALE, after_s)
+
+
+async def requeue_stale(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(REQUEUE_STALE, job_id, worker_id)
+
+
+async def fail_stale(
+    conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(FAIL_STALE, job_id, worker_id, error)
+
+
+async def add_result_file(
+    conn: Conn, *, file_id: str, org_id: str, filename: str, size: int, sha256: str, blob_key: str
+) -> None:
+    await conn.execute(INSERT_RESULT_FILE, file_id, org_id, filename, size, sha256, blob_key)

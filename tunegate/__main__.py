@@ -1,0 +1,5 @@
+"""`python -m tunegate` is the `tunegate` command."""
+
+from tunegate.cli import main
+
+main()

@@ -1,0 +1,168 @@
+"""The `tunegate` command: run the stack or one of its processes, and administer it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from gateway.settings import Settings
+
+app = typer.Typer(help="tunegate: OpenAI-compatible fine-tuning and inference gateway.", no_args_is_help=True)
+admin_app = typer.Typer(help="Organisations and API keys.", no_args_is_help=True)
+models_app = typer.Typer(help="Base models.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Fine-tuning jobs.", no_args_is_help=True)
+app.add_typer(admin_app, name="admin")
+app.add_typer(models_app, name="models")
+app.add_typer(jobs_app, name="jobs")
+
+
+def _logging(settings: Settings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _need_database(settings: Settings) -> str:
+    if not settings.database_url:
+        typer.echo("TUNEGATE_DATABASE_URL is not set (tunegate up starts an embedded one).", err=True)
+        raise typer.Exit(2)
+    return settings.database_url
+
+
+def ensure_admin_key(settings: Settings) -> tuple[str, bool]:
+    """The admin key; made and stored in the data dir when none is configured. Returns (key, made_now)."""
+    existing = settings.admin_key_value()
+    if existing:
+        return existing, False
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    key = "sk-admin-" + secrets.token_urlsafe(24)
+    path = settings.data_dir / "admin_key"
+    path.touch(mode=0o600)
+    path.write_text(key + "\n")
+    return key, True
+
+
+@app.command()
+def up(
+    host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
+    port: Annotated[int | None, typer.Option(help="Gateway port.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where everything is kept.")] = None,
+) -> None:
+    """Run the whole stack in the foreground (embedded PostgreSQL and Redis when no URLs are set)."""
+    from tunegate.stack import run_stack
+
+    overrides: dict[str, object] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+    _logging(settings)
+    raise typer.Exit(run_stack(settings))
+
+
+@app.command()
+def gateway(
+    host: Annotated[str | None, typer.Option()] = None,
+    port: Annotated[int | None, typer.Option()] = None,
+    workers: Annotated[int, typer.Option(help="uvicorn worker processes")] = 1,
+) -> None:
+    """Run the API gateway (needs TUNEGATE_DATABASE_URL and TUNEGATE_REDIS_URL)."""
+    import uvicorn
+
+    settings = Settings()
+    _logging(settings)
+    _need_database(settings)
+    uvicorn.run(
+        "gateway.main:app",
+        factory=False,
+        host=host or settings.host,
+        port=port or settings.port,
+        workers=workers,
+        log_level=settings.log_level,
+        access_log=False,
+    )
+
+
+@app.command()
+def worker() -> None:
+    """Run a training worker (claims queued jobs and runs the trainer)."""
+    from gateway.worker.main import run_worker
+
+    settings = Settings()
+    _logging(settings)
+    _need_database(settings)
+    run_worker(settings)
+
+
+@app.command()
+def inference(
+    model: Annotated[list[str], typer.Option(help="NAME=PATH of a base model (repeatable).")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8100,
+    max_loras: Annotated[int, typer.Option(help="Resident adapters per base model.")] = 8,
+) -> None:
+    """Run the embedded inference engine (CPU or any torch device)."""
+    from inference.__main__ import main as engine_main
+
+    argv = [a for m in model for a in ("--model", m)]
+    engine_main([*argv, "--host", host, "--port", str(port), "--max-loras", str(max_loras)])
+
+
+@app.command()
+def migrate() -> None:
+    """Apply pending database migrations."""
+    from gateway.db import migrate as run_migrations
+
+    settings = Settings()
+    applied = asyncio.run(run_migrations(_need_database(settings)))
+    typer.echo("applied: " + (", ".join(applied) if applied else "nothing (up to date)"))
+
+
+async def _admin(settings: Settings, action: str, arg: str) -> str:
+    from gateway.db import create_pool
+    from gateway.db import migrate as run_migrations
+    from gateway.tenancy import service
+
+    dsn = _need_database(settings)
+    await run_migrations(dsn)
+    pool = await create_pool(dsn, min_size=1, max_size=2)
+    try:
+        if action == "create-org":
+            return (await service.create_org(pool, arg)).id
+        key = await service.create_key(pool, arg, None)
+        assert key.key is not None
+        return key.key
+    finally:
+        await pool.close()
+
+
+@admin_app.command("create-org")
+def create_org(name: str) -> None:
+    """Create an organisation; prints its id."""
+    typer.echo(asyncio.run(_admin(Settings(), "create-org", name)))
+
+
+@admin_app.command("create-key")
+def create_key(org_id: str) -> None:
+    """Create an API key for an organisation; prints the key (shown only this once)."""
+    typer.echo(asyncio.run(_admin(Settings(), "create-key", org_id)))
+
+
+@models_app.command("make-tiny")
+def make_tiny(directory: Path) -> None:
+    """Make the tiny offline chat model (`tiny-chat`) in DIRECTORY."""
+    from trainer.tiny import make_tiny_model
+
+    typer.echo(str(make_tiny_model(directory)))
+
+
+def main() -> None:
+    app()
