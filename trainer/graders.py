@@ -114,6 +114,8 @@ class GradeResult:
     """Seconds spent grading."""
     token_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     """Model-grader token usage by model name: ``{"prompt_tokens", "completion_tokens", "total_tokens"}``."""
+    details: str | None = None
+    """A human-readable reason when an error flag is set."""
 
     @property
     def failed(self) -> bool:
@@ -134,6 +136,7 @@ class GradeResult:
                 "token_usage": _total_usage(self.token_usage),
                 "sampled_model_name": sampled_model_name,
                 "errors": self.errors,
+                "details": self.details,
             },
         }
 
@@ -388,17 +391,16 @@ def grade(
         result.errors[exc.flag] = True
         if exc.details and exc.flag in ("model_grader_server_error", "python_grader_runtime_error"):
             result.errors[f"{exc.flag}_details"] = exc.details
-        elif exc.details:
-            result.errors.setdefault("details", exc.details)
+        result.details = exc.details or exc.flag
     except GraderError as exc:
         result.reward = 0.0
         result.errors["other_error"] = True
-        result.errors.setdefault("details", exc.message)
+        result.details = exc.message
     except Exception as exc:  # a bug or an odd input must not stop training: flag it and score 0
         logger.warning("grader %r failed: %s", result.name, exc, exc_info=True)
         result.reward = 0.0
         result.errors["other_error"] = True
-        result.errors.setdefault("details", f"{type(exc).__name__}: {exc}")
+        result.details = f"{type(exc).__name__}: {exc}"
     result.execution_time = time.perf_counter() - started
     return result
 

@@ -88,10 +88,7 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
         failed = [r for r in results if r.failed]
         if failed:
             logger.warning(
-                "%d of %d samples failed grading, e.g. %s",
-                len(failed),
-                len(results),
-                {k: v for k, v in failed[0].errors.items() if v},
+                "%d of %d samples failed grading, e.g. %s", len(failed), len(results), failed[0].details
             )
         log_metric = kwargs.get("log_metric")
         if callable(log_metric):

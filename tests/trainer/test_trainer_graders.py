@@ -1,0 +1,282 @@
+"""Graders: every type, templates, formulas (and the unsafe ones refused), model graders over HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from trainer.graders import GraderError, grade, make_sample, render_template, validate_grader
+from trainer.inference_client import InferenceClient
+
+ITEM = {"answer": "Paris", "nested": {"list": [1, "two"]}, "n": 3}
+
+
+def sc(input_: str, reference: str, operation: str, name: str = "check") -> dict[str, Any]:
+    return {
+        "type": "string_check",
+        "name": name,
+        "input": input_,
+        "reference": reference,
+        "operation": operation,
+    }
+
+
+def sim(metric: str, reference: str = "the cat sat on the mat", name: str = "sim") -> dict[str, Any]:
+    return {
+        "type": "text_similarity",
+        "name": name,
+        "input": "{{ sample.output_text }}",
+        "reference": reference,
+        "evaluation_metric": metric,
+    }
+
+
+def test_graders_import_without_torch() -> None:
+    code = "import sys, trainer.graders, trainer.rewards; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_templates() -> None:
+    sample = make_sample('{"x": [1, 2]}')
+    assert (
+        render_template("{{ item.answer }}/{{item.nested.list[1]}}/{{ item.n }}", sample, ITEM)
+        == "Paris/two/3"
+    )
+    assert render_template("{{ sample.output_json.x[1] }}", sample, ITEM) == "2"
+    assert render_template("{{ sample.output_text }}", sample, ITEM) == '{"x": [1, 2]}'
+    assert render_template("{{ item.nested }}", sample, ITEM) == '{"list": [1, "two"]}'
+    tools = make_sample('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')["output_tools"]
+    assert tools == [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    result = grade(sc("{{ item.missing }}", "x", "eq"), "x", ITEM)
+    assert result.reward == 0.0 and result.errors["invalid_variable_error"] and result.failed
+
+
+@pytest.mark.parametrize(
+    ("operation", "output", "expected"),
+    [
+        ("eq", "Paris", 1.0),
+        ("eq", "paris", 0.0),
+        ("ne", "Rome", 1.0),
+        ("ne", "Paris", 0.0),
+        ("like", "I think Paris.", 1.0),
+        ("like", "i think paris.", 0.0),
+        ("ilike", "i think PARIS.", 1.0),
+        ("ilike", "Rome", 0.0),
+    ],
+)
+def test_string_check(operation: str, output: str, expected: float) -> None:
+    grader = sc("{{ sample.output_text }}", "{{ item.answer }}", operation)
+    validate_grader(grader)
+    result = grade(grader, output, ITEM)
+    assert result.reward == expected
+    assert not result.failed and result.name == "check" and result.type == "string_check"
+
+
+def test_text_similarity_metrics() -> None:
+    ref = "the cat sat on the mat"
+    exact = {
+        m: grade(sim(m), ref).reward for m in ["fuzzy_match", "bleu", "gleu", "rouge_1", "rouge_2", "rouge_l"]
+    }
+    assert all(v == pytest.approx(1.0) for v in exact.values()), exact
+    near = "the cat sat on a mat"
+    assert grade(sim("fuzzy_match"), near).reward == pytest.approx(0.9047619, abs=1e-4)
+    assert grade(sim("rouge_1"), near).reward == pytest.approx(5 / 6, abs=1e-6)
+    assert 0.0 < grade(sim("bleu"), near).reward < 1.0
+    assert 0.0 < grade(sim("gleu"), near).reward < 1.0
+    assert grade(sim("rouge_l"), "dogs run fast").reward == 0.0
+
+
+@pytest.mark.parametrize(
+    ("metric", "code"), [("cosine", "unsupported_metric"), ("meteor", "unsupported_metric")]
+)
+def test_refused_metrics(metric: str, code: str) -> None:
+    with pytest.raises(GraderError) as err:
+        validate_grader(sim(metric))
+    assert err.value.code == code and err.value.param == "grader.evaluation_metric"
+
+
+def test_python_grader_refused() -> None:
+    with pytest.raises(GraderError) as err:
+        validate_grader(
+            {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"}
+        )
+    assert err.value.code == "python_grader_unsupported"
+
+
+def test_multi_with_formula() -> None:
+    grader: dict[str, Any] = {
+        "type": "multi",
+        "name": "combo",
+        "graders": {
+            "exact": sc("{{ sample.output_text }}", "{{ item.answer }}", "ilike"),
+            "close": sim("fuzzy_match", "{{ item.answer }}"),
+        },
+        "calculate_output": "0.5 * exact + 0.5 * sqrt(close) - 0 * max(exact, close)",
+    }
+    validate_grader(grader)
+    result = grade(grader, "paris!", ITEM)
+    assert result.sub_rewards["exact"] == 1.0
+    assert result.sub_rewards["close"] == pytest.approx(grade(sim("fuzzy_match", "Paris"), "paris!").reward)
+    assert result.reward == pytest.approx(0.5 + 0.5 * result.sub_rewards["close"] ** 0.5)
+    response = result.to_response()
+    assert response["metadata"]["type"] == "multi" and response["metadata"]["scores"] == result.sub_rewards
+    # A list of named graders is accepted too; a runtime failure of the formula is an error flag, not a crash.
+    as_list = {**grader, "graders": [{**g, "name": n} for n, g in grader["graders"].items()]}
+    validate_grader(as_list)
+    failing = {**grader, "calculate_output": "exact / (close - close)"}
+    bad = grade(failing, "paris", ITEM)
+    assert bad.reward == 0.0 and bad.errors["formula_parse_error"]
+
+
+@pytest.mark.parametrize(
+    "formula",
+    [
+        "__import__('os').system('true')",
+        "exact.__class__",
+        "exact.real",
+        "'a' * 10",
+        "[exact][0]",
+        "(lambda: 1)()",
+        "open('/etc/passwd')",
+        "unknown + 1",
+        "exact +",
+    ],
+)
+def test_unsafe_or_bad_formula_refused(formula: str) -> None:
+    grader = {"type": "multi", "graders": {"exact": sc("a", "a", "eq")}, "calculate_output": formula}
+    with pytest.raises(GraderError) as err:
+        validate_grader(grader)
+    assert err.value.param == "grader.calculate_output"
+
+
+@pytest.mark.parametrize(
+    ("grader", "param"),
+    [
+        ({"type": "nope"}, "grader.type"),
+        (
+            {"type": "string_check", "input": "a", "reference": "b", "operation": "contains"},
+            "grader.operation",
+        ),
+        ({"type": "string_check", "input": 1, "reference": "b", "operation": "eq"}, "grader.input"),
+        ({"type": "score_model", "model": "m", "input": [], "range": [0, 1]}, "grader.input"),
+        (
+            {
+                "type": "score_model",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "range": [1, 0],
+            },
+            "grader.range",
+        ),
+        (
+            {"type": "multi", "graders": {"a": {"type": "python", "source": ""}}, "calculate_output": "a"},
+            "grader.graders.a.type",
+        ),
+    ],
+)
+def test_validation_names_the_field(grader: dict[str, Any], param: str) -> None:
+    with pytest.raises(GraderError) as err:
+        validate_grader(grader)
+    assert err.value.param == param
+
+
+class _ModelServer:
+    """A stand-in chat-completions endpoint answering with queued replies, recording requests."""
+
+    def __init__(self) -> None:
+        self.replies: list[str] = []
+        self.requests: list[dict[str, Any]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+                reply = {
+                    "id": "c1",
+                    "object": "chat.completion",
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": server.replies.pop(0)}}
+                    ],
+                    "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+                }
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def model_server() -> Iterator[_ModelServer]:
+    server = _ModelServer()
+    yield server
+    server.httpd.shutdown()
+
+
+def test_score_model_and_label_model(model_server: _ModelServer) -> None:
+    score = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny-chat",
+        "input": [
+            {"role": "system", "content": "Score the answer from 0 to 10."},
+            {
+                "role": "user",
+                "content": "Q: capital of France. Reference {{ item.answer }}. A: {{ sample.output_text }}",
+            },
+        ],
+        "range": [0, 10],
+        "sampling_params": {"temperature": 0.0},
+    }
+    label = {
+        "type": "label_model",
+        "name": "tone",
+        "model": "tiny-chat",
+        "input": [{"role": "user", "content": "Is '{{ sample.output_text }}' polite?"}],
+        "labels": ["polite", "rude"],
+        "passing_labels": ["polite"],
+    }
+    multi = {"type": "multi", "name": "m", "graders": {"tone": label}, "calculate_output": "tone"}
+    for g in (score, multi):
+        validate_grader(g)
+    with InferenceClient(model_server.url, "sk-test") as client:
+        model_server.replies = ["Score: 8", '{"result": 42}', "garbage", "Polite.", "rude"]
+        assert grade(score, "Paris", ITEM, inference=client).reward == 8.0
+        clamped = grade(score, "Paris", ITEM, inference=client)
+        assert clamped.reward == 10.0 and clamped.token_usage == {
+            "tiny-chat": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+        }
+        unparsable = grade(score, "Paris", ITEM, inference=client)
+        assert unparsable.reward == 0.0 and unparsable.errors["model_grader_parse_error"]
+        assert grade(multi, "Thanks!", ITEM, inference=client).reward == 1.0
+        assert grade(multi, "Go away", ITEM, inference=client).reward == 0.0
+    first = model_server.requests[0]
+    assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer sk-test"
+    assert first["model"] == "tiny-chat" and first["temperature"] == 0.0
+    assert first["messages"][1]["content"] == "Q: capital of France. Reference Paris. A: Paris"
+
+
+def test_model_grader_unreachable_is_a_server_error() -> None:
+    grader = {"type": "score_model", "name": "j", "model": "m", "input": [{"role": "user", "content": "x"}]}
+    with InferenceClient("http://127.0.0.1:9/v1", max_retries=0, timeout=2) as client:
+        result = grade(grader, "x", {}, inference=client)
+    assert result.reward == 0.0 and result.errors["model_grader_server_error"]
+    assert result.errors["model_grader_server_error_details"]
+    no_client = grade(grader, "x", {})
+    assert no_client.errors["model_grader_server_error"]
