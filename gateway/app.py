@@ -21,6 +21,8 @@ from gateway.middleware import Metrics, RequestContextMiddleware
 from gateway.models.router import router as models_router
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
+from gateway.serving.router import router as serving_router
+from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
@@ -48,6 +50,7 @@ def create_app(settings: Settings) -> FastAPI:
             auth=auth,
             queue=queue,
             admin_key=settings.admin_key_value(),
+            serving=ServingState(settings),
             extras={"started_at": int(time.time())},
         )
         app.state.resources = res
@@ -60,6 +63,8 @@ def create_app(settings: Settings) -> FastAPI:
                 await flusher
             with contextlib.suppress(Exception):
                 await auth.flush_last_used()
+            assert res.serving is not None
+            await res.serving.aclose()
             if queue is not None:
                 await queue.aclose()
             await pool.close()
@@ -73,7 +78,7 @@ def create_app(settings: Settings) -> FastAPI:
     metrics = Metrics()
     app.state.metrics = metrics
     install_error_handlers(app)
-    for router in (admin_router, files_router, jobs_router, models_router, ops_router):
+    for router in (admin_router, files_router, jobs_router, models_router, ops_router, serving_router):
         app.include_router(router)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

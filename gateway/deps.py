@@ -12,6 +12,7 @@ from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
 from gateway.errors import AuthenticationFailed
+from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator, Principal, bearer_token
 
@@ -26,6 +27,8 @@ class Resources:
     auth: Authenticator
     queue: ArqRedis | None
     admin_key: str | None
+    serving: ServingState | None = None
+    """Serving state: the pooled client to the inference engines, adapter loads, model cache, usage."""
     extras: dict[str, object] = field(default_factory=dict)
 
 

@@ -1,0 +1,152 @@
+"""Wire handling of proxied requests: read `model`/`stream` once, rewrite `model`, translate errors.
+
+Bodies are forwarded as received: the gateway parses them once with orjson to learn the model and whether
+to stream, rewrites `model` to the engine's name and passes everything else through untouched, so every
+OpenAI parameter the engine supports (tools, logprobs, n, stop, seed, ...) works without a schema here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.errors import APIError, InvalidRequest, UpstreamError
+
+logger = logging.getLogger(__name__)
+
+DONE_LINE = b"data: [DONE]"
+
+
+@dataclass(slots=True)
+class ProxyRequest:
+    """A client's request body, parsed once."""
+
+    body: dict[str, Any]
+    """The JSON object as received (mutated only to rewrite `model` and `stream_options`)."""
+    model: str
+    """The `model` the client asked for (a base model, an `ft:` model or a checkpoint id)."""
+    stream: bool
+    """Whether the client asked for server-sent events."""
+    client_wants_usage: bool
+    """Whether the client asked for the usage chunk (`stream_options.include_usage`)."""
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ProxyRequest:
+        """The request of `raw`, or a 400 in OpenAI's shape."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_model")
+        stream = bool(body.get("stream") or False)
+        options = body.get("stream_options")
+        wants_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        return cls(body=body, model=model, stream=stream, client_wants_usage=wants_usage)
+
+    def upstream_body(self, engine_model: str) -> bytes:
+        """The body for the engine: `model` rewritten; streams always ask for usage (for metering)."""
+        body = dict(self.body)
+        body["model"] = engine_model
+        if self.stream:
+            options = body.get("stream_options")
+            options = dict(options) if isinstance(options, dict) else {}
+            options["include_usage"] = True
+            body["stream_options"] = options
+        return orjson.dumps(body)
+
+
+def rewrite_response(raw: bytes, model: str) -> tuple[bytes, dict[str, Any] | None]:
+    """A non-streamed engine answer with `model` rewritten, and its `usage` (if any)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw, None
+    if not isinstance(data, dict):
+        return raw, None
+    if "model" in data:
+        data["model"] = model
+    usage = data.get("usage")
+    return orjson.dumps(data), usage if isinstance(usage, dict) else None
+
+
+@dataclass(slots=True)
+class StreamRewriter:
+    """Rewrites the `data:` lines of an engine's event stream, one line at a time.
+
+    `model` is replaced in every JSON event; the usage chunk is remembered (and dropped, as is each chunk's
+    `usage: null`, when the client did not ask for it, since the gateway always asks the engine).
+    """
+
+    model: str
+    keep_usage: bool
+    usage: dict[str, Any] | None = None
+    saw_done: bool = False
+
+    def line(self, line: bytes) -> bytes | None:
+        """The line to send for one upstream line (without its newline), or None to drop it."""
+        if not line.startswith(b"data:"):
+            return line
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            self.saw_done = True
+            return DONE_LINE
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return line
+        if not isinstance(event, dict):
+            return line
+        if "model" in event:
+            event["model"] = self.model
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        if not self.keep_usage and "usage" in event:
+            if isinstance(usage, dict) and not event.get("choices"):
+                return None
+            del event["usage"]
+        return b"data: " + orjson.dumps(event)
+
+
+def error_event(exc: APIError) -> bytes:
+    """The final SSE event of a stream that failed after it started."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n" + DONE_LINE + b"\n\n"
+
+
+def upstream_error(status: int, raw: bytes) -> UpstreamError:
+    """An engine's error answer as the gateway's own error, status kept, in OpenAI's shape.
+
+    Accepts vLLM's envelope `{"error": {...}}` and its older flat `{"object": "error", ...}` form.
+    """
+    message, type_, param, code = f"The inference engine answered with status {status}.", None, None, None
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error") if isinstance(data.get("error"), dict) else data
+        assert isinstance(err, dict)
+        message = str(err.get("message") or message)
+        type_ = err.get("type")
+        param = err.get("param")
+        code = err.get("code")
+    elif raw:
+        message = raw.decode(errors="replace")[:500]
+    if status >= 500:
+        type_ = "server_error"
+    elif not type_ or type_ in ("BadRequestError", "NotFoundError"):
+        type_ = "invalid_request_error"
+    return UpstreamError(
+        status,
+        message,
+        type_=str(type_),
+        param=str(param) if param is not None else None,
+        code=str(code) if code is not None and not isinstance(code, int) else None,
+    )

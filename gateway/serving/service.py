@@ -1,0 +1,270 @@
+"""Serving logic: which model a request names, which engine serves it, and the proxying itself.
+
+The hot path makes no database query for a model seen in the last few seconds (`ModelCache`), holds no
+lock, and does no blocking work: one orjson parse of the body, one of each SSE line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+import asyncpg
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.deps import Resources
+from gateway.errors import APIError, ServiceUnavailable, UpstreamError, not_found
+from gateway.serving.protocol import (
+    ProxyRequest,
+    StreamRewriter,
+    error_event,
+    rewrite_response,
+    upstream_error,
+)
+from gateway.serving.upstreams import ServingState, Target, Upstream
+from gateway.settings import Settings
+from gateway.tenancy.keys import Principal
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+GET_MODEL = "SELECT base_model, adapter_path FROM models WHERE id = $1 AND organization_id = $2"
+GET_CHECKPOINT = """
+SELECT j.model AS base_model, c.path AS adapter_path
+FROM fine_tuning_job_checkpoints c JOIN fine_tuning_jobs j ON j.id = c.job_id
+WHERE c.fine_tuned_model_checkpoint = $1 AND c.organization_id = $2
+LIMIT 1"""
+
+
+def serving_state(res: Resources) -> ServingState:
+    state = res.serving
+    assert state is not None, "serving state is made in the lifespan"
+    return state
+
+
+# ---------------------------------------------------------------------------------------------- models
+async def resolve(state: ServingState, pool: asyncpg.Pool, who: Principal, model_id: str) -> Target:
+    """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models)."""
+    if model_id in state.settings.base_models:
+        return Target(model_id=model_id, base_model=model_id)
+    hit, target = state.models.get(who.organization_id, model_id)
+    if not hit and model_id.startswith("ft:"):
+        row = await pool.fetchrow(GET_MODEL, model_id, who.organization_id)
+        if row is None and ":ckpt-step-" in model_id:
+            row = await pool.fetchrow(GET_CHECKPOINT, model_id, who.organization_id)
+        target = None
+        if row is not None:
+            base = row["base_model"]
+            if base in state.settings.base_models:
+                target = Target(model_id=model_id, base_model=base, adapter_path=row["adapter_path"])
+            else:
+                logger.warning("model %s names base model %s, which is not configured", model_id, base)
+        state.models.put(who.organization_id, model_id, target)
+    if target is None:
+        raise not_found("model", model_id, param="model", code="model_not_found")
+    return target
+
+
+def invalidate(state: ServingState, model_id: str) -> None:
+    """Forget cached lookups of `model_id` (call when a model is deleted)."""
+    state.models.invalidate(model_id)
+
+
+async def _with_state(res_or_state: Resources | ServingState | Settings) -> tuple[ServingState, bool]:
+    if isinstance(res_or_state, ServingState):
+        return res_or_state, False
+    if isinstance(res_or_state, Resources):
+        return serving_state(res_or_state), False
+    return ServingState(res_or_state), True
+
+
+async def load_adapter_everywhere(
+    res_or_state: Resources | ServingState | Settings, model_id: str, base_model: str, path: str
+) -> dict[str, str | None]:
+    """Load adapter `model_id` (directory `path`) onto every engine of `base_model`.
+
+    Returns `{engine url: None if loaded, else the reason}`; never raises for an engine that is down or
+    refuses (requests load lazily on a miss anyway). Given `Settings`, a client is made and closed here.
+    """
+    state, owned = await _with_state(res_or_state)
+    target = Target(model_id=model_id, base_model=base_model, adapter_path=path)
+    out: dict[str, str | None] = {}
+    try:
+        pool = state.pools.get(base_model)
+        ups = pool.upstreams if pool is not None else []
+
+        async def one(up: Upstream) -> None:
+            try:
+                await state.ensure_loaded(up, target)
+                out[up.url] = None
+            except (httpx.HTTPError, APIError) as exc:
+                out[up.url] = str(exc) or type(exc).__name__
+                logger.warning("could not load %s on %s: %s", model_id, up.url, out[up.url])
+
+        await asyncio.gather(*(one(u) for u in ups))
+    finally:
+        if owned:
+            await state.aclose()
+    return out
+
+
+async def unload_adapter_everywhere(
+    res_or_state: Resources | ServingState | Settings, model_id: str, base_model: str | None = None
+) -> dict[str, str | None]:
+    """Unload adapter `model_id` from every engine (of `base_model`, or of every base model)."""
+    state, owned = await _with_state(res_or_state)
+    invalidate(state, model_id)
+    out: dict[str, str | None] = {}
+    try:
+        pools = [state.pools[base_model]] if base_model in state.pools else list(state.pools.values())
+
+        async def one(up: Upstream) -> None:
+            try:
+                await state.unload(up, model_id)
+                out[up.url] = None
+            except httpx.HTTPError as exc:
+                out[up.url] = str(exc) or type(exc).__name__
+                logger.warning("could not unload %s from %s: %s", model_id, up.url, out[up.url])
+
+        await asyncio.gather(*(one(u) for p in pools for u in p.upstreams))
+    finally:
+        if owned:
+            await state.aclose()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- proxy
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so the upstream request) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise asyncio.CancelledError("client disconnected")
+
+
+def _is_unknown_model(resp: httpx.Response) -> bool:
+    return resp.status_code == 404 and b"model" in resp.content[:2000].lower()
+
+
+async def _open(
+    state: ServingState, path: str, target: Target, body: bytes, *, stream: bool
+) -> tuple[Upstream, httpx.Response]:
+    """Send the request to the best engine; the next one when an engine cannot be reached.
+
+    Returns the engine and its response (opened, for streams) with a status below 400; raises the
+    engine's error otherwise, or 503 when no engine answers.
+    """
+    adapter = target.model_id if target.adapter_path is not None else None
+    last: Exception | None = None
+    for up in state.pool_for(target.base_model).candidates(adapter):
+        for attempt in range(2):
+            up.in_flight += 1
+            try:
+                await state.ensure_loaded(up, target)
+                req = state.client.build_request(
+                    "POST", up.url + path, content=body, headers={"content-type": "application/json"}
+                )
+                resp = await state.client.send(req, stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                up.in_flight -= 1
+                up.mark_down()
+                last = exc
+                logger.warning("engine %s unreachable: %s", up.url, exc)
+                break
+            except BaseException:
+                up.in_flight -= 1
+                raise
+            if resp.status_code < 400:
+                return up, resp
+            up.in_flight -= 1
+            raw = await resp.aread()
+            await resp.aclose()
+            if adapter is not None and attempt == 0 and _is_unknown_model(resp):
+                # The engine lost the adapter (restart, eviction by name, another gateway unloaded it).
+                up.loaded.discard(adapter)
+                continue
+            raise upstream_error(resp.status_code, raw)
+    logger.warning("no engine of %s reachable: %s", target.base_model, last)
+    raise ServiceUnavailable(
+        f"The inference engine for model '{target.model_id}' is unavailable. Please retry shortly.",
+        headers={"retry-after": "1"},
+    )
+
+
+async def complete(
+    state: ServingState, request: Request, who: Principal, path: str, proxy: ProxyRequest, target: Target
+) -> Response:
+    """A non-streamed completion: the engine's JSON with `model` rewritten."""
+
+    async def work() -> Response:
+        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=False)
+        up.in_flight -= 1
+        out, usage = rewrite_response(resp.content, proxy.model)
+        if usage is not None:
+            state.usage.record(who.organization_id, who.api_key_id, proxy.model, usage)
+        return Response(out, status_code=resp.status_code, media_type="application/json")
+
+    return await _until_disconnect(request, work())
+
+
+async def stream(
+    state: ServingState, who: Principal, path: str, proxy: ProxyRequest, target: Target
+) -> Response:
+    """A streamed completion: the first upstream chunk is read before the 200 is committed."""
+    up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=True)
+    rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
+    lines = resp.aiter_lines()
+    try:
+        first = await anext(lines, None)
+    except BaseException as exc:
+        up.in_flight -= 1
+        await resp.aclose()
+        if isinstance(exc, httpx.HTTPError):
+            raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                out = rewriter.line(first.encode())
+                if out is not None:
+                    yield out + b"\n"
+                async for line in lines:
+                    out = rewriter.line(line.encode())
+                    if out is not None:
+                        yield out + b"\n"
+        except httpx.HTTPError as exc:
+            logger.warning("stream from %s broke: %s", up.url, exc)
+            yield b"\n" + error_event(
+                UpstreamError(
+                    502,
+                    f"The inference engine stream failed: {exc}",
+                    type_="server_error",
+                    param=None,
+                    code="upstream_error",
+                )
+            )
+            rewriter.saw_done = True
+        finally:
+            up.in_flight -= 1
+            await resp.aclose()
+            if rewriter.usage is not None:
+                state.usage.record(who.organization_id, who.api_key_id, proxy.model, rewriter.usage)
+        if not rewriter.saw_done:
+            yield b"\ndata: [DONE]\n\n"
+
+    return StreamingResponse(
+        body(),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )
