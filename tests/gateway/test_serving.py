@@ -27,8 +27,8 @@ from gateway.serving.upstreams import ServingState
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, free_port, make_settings
 
 BASE = "tiny-chat"
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [
+MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS: Any = [
     {
         "type": "function",
         "function": {
@@ -57,7 +57,7 @@ def _make_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8) -> st
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.5)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(str(out_dir))
     return str(out_dir)
 
 
@@ -120,7 +120,8 @@ def gw(
 
 
 def _state(server: GatewayServer) -> ServingState:
-    state = server.server.config.app.state.resources.serving
+    app: Any = server.server.config.app
+    state = app.state.resources.serving
     assert isinstance(state, ServingState)
     return state
 
@@ -236,7 +237,7 @@ def test_tool_call_round_trip(org: Tenant) -> None:
     call = calls[0]
     assert call.type == "function" and call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments), dict)
-    follow_up = [
+    follow_up: Any = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21})},
@@ -364,3 +365,58 @@ def test_upstream_down_is_a_quick_503(
             assert time.monotonic() - t0 < 5
     finally:
         server.stop()
+
+
+def test_adapter_lost_by_the_engine_is_reloaded(
+    org: Tenant, gw: GatewayServer, engine: Engine, database: str, adapters: list[str]
+) -> None:
+    model = _ft_id(org)
+    _register(database, org.org_id, model, adapters[0])
+    assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
+    with httpx.Client(trust_env=False) as http:  # behind the gateway's back, as an engine restart would
+        assert http.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": model}).status_code == 200
+    before = _state(gw).load_count
+    assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
+    assert _state(gw).load_count == before + 1 and model in engine.models()
+
+
+def test_worker_hook_loads_and_unloads_everywhere(
+    org: Tenant, gw: GatewayServer, engine: Engine, adapters: list[str]
+) -> None:
+    from gateway.serving.service import load_adapter_everywhere, unload_adapter_everywhere
+
+    model = _ft_id(org)
+    loaded = asyncio.run(load_adapter_everywhere(gw.settings, model, BASE, adapters[1]))
+    assert loaded == {engine.url: None} and model in engine.models()
+    again = asyncio.run(load_adapter_everywhere(gw.settings, model, BASE, adapters[1]))  # "already loaded"
+    assert again == {engine.url: None}
+    assert asyncio.run(unload_adapter_everywhere(gw.settings, model, BASE)) == {engine.url: None}
+    assert model not in engine.models()
+
+
+def test_bad_body_is_a_400(org: Tenant, gw: GatewayServer) -> None:
+    with httpx.Client(
+        base_url=gw.url, headers={"Authorization": f"Bearer {org.key}"}, trust_env=False
+    ) as http:
+        for content in (b"{not json", b"[1, 2]", b'{"messages": []}'):
+            resp = http.post("/v1/chat/completions", content=content)
+            assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+        assert (
+            http.post("/v1/chat/completions", content=b"{}", headers={"Authorization": "x"}).status_code
+            == 401
+        )
+
+
+def test_engine_choice_spreads_load_and_keeps_adapters_where_loaded() -> None:
+    from gateway.serving.upstreams import UpstreamPool
+
+    pool = UpstreamPool(BASE, ["http://a", "http://b", "http://c"])
+    firsts = {pool.candidates(None)[0].url for _ in range(3)}
+    assert firsts == {"http://a", "http://b", "http://c"}  # round robin when idle
+    a, b, c = pool.upstreams
+    a.in_flight, b.in_flight, c.in_flight = 3, 1, 2
+    assert [u.url for u in pool.candidates(None)] == ["http://b", "http://c", "http://a"]  # least in flight
+    a.loaded.add("ft:x")
+    assert pool.candidates("ft:x")[0] is a  # affinity beats load
+    b.mark_down()
+    assert pool.candidates(None)[-1] is b  # an unreachable engine is tried last
