@@ -181,6 +181,12 @@ async def _open(
                 last = exc
                 logger.warning("engine %s unreachable: %s", up.url, exc)
                 break
+            except httpx.HTTPError as exc:
+                up.in_flight -= 1
+                logger.warning("engine %s failed: %s", up.url, exc)
+                raise ServiceUnavailable(
+                    f"The inference engine for model '{target.model_id}' failed: {type(exc).__name__}."
+                ) from None
             except BaseException:
                 up.in_flight -= 1
                 raise
