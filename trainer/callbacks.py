@@ -103,9 +103,10 @@ class EventCallback(TrainerCallback):
             self.trained_tokens = self.tokens_offset + int(float(logs["num_tokens"]) - self._cum_at_start)
         data = map_metrics(logs)
         step = state.global_step
-        if all(k.startswith("eval_") or k == "valid_loss" or k == "epoch" for k in data):
-            self.last_metrics.update({k: v for k, v in data.items() if k != "epoch"})
-            self.events.metrics(step, state.max_steps, {"step": step, **data})
+        if "valid_loss" in data:
+            # An evaluation (run at checkpoint steps, after that step's metrics event): its numbers ride on
+            # the checkpoint and result events, as OpenAI's checkpoint metrics do.
+            self.last_metrics.update({k: v for k, v in data.items() if k.startswith("valid_")})
             return
         data = {"step": step, **data, "tokens": self.trained_tokens}
         self.last_metrics = data
