@@ -5,6 +5,7 @@ Nothing else in the project reads the environment: processes build a `Settings` 
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from pathlib import Path
 
@@ -105,17 +106,22 @@ class Settings(BaseSettings):
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
-    """`TUNEGATE_*` variables that recreate these settings in a child process."""
-    env = {
-        "TUNEGATE_DATA_DIR": str(settings.data_dir),
-        "TUNEGATE_BASE_MODELS": "{"
-        + ",".join(f'"{k}":{v.model_dump_json()}' for k, v in settings.base_models.items())
-        + "}",
-    }
-    if settings.database_url:
-        env["TUNEGATE_DATABASE_URL"] = settings.database_url
-    if settings.redis_url:
-        env["TUNEGATE_REDIS_URL"] = settings.redis_url
-    if settings.admin_key is not None:
-        env["TUNEGATE_ADMIN_KEY"] = settings.admin_key.get_secret_value()
+    """`TUNEGATE_*` variables that recreate these settings in a child process (every field, so a child
+    never falls back to a default its parent overrode)."""
+    env: dict[str, str] = {}
+    for name in Settings.model_fields:
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            text = value.get_secret_value()
+        elif isinstance(value, dict | list):
+            text = json.dumps(
+                {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in value.items()}
+                if isinstance(value, dict)
+                else value
+            )
+        else:
+            text = str(value)
+        env[f"TUNEGATE_{name.upper()}"] = text
     return env

@@ -29,6 +29,7 @@ from gateway.blobstore import BlobStore
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
 from gateway.models import store as models_store
+from gateway.serving.service import load_adapter_everywhere
 from gateway.settings import Settings, settings_env
 from gateway.worker import store
 
@@ -292,6 +293,13 @@ class JobRun:
         adapter = await asyncio.to_thread(
             self.blobs.put_tree, Path(event["adapter_path"]), f"adapters/{self.org_id}/{self.job_id}"
         )
+        # Serve the new model before the job reports success: every engine of the base model loads it now.
+        loaded = await load_adapter_everywhere(self.settings, model, self.job["model"], str(adapter))
+        for upstream, problem in loaded.items():
+            if problem:
+                logger.warning(
+                    "job %s: %s could not load the adapter yet: %s", self.job_id, upstream, problem
+                )
         csv_bytes = _metrics_csv(await self._all_metrics())
         file_id = new_id("file-")
         file_key = f"files/{self.org_id}/{file_id}"

@@ -13,13 +13,16 @@ import asyncpg
 from gateway.db import Conn
 from gateway.ids import new_id
 
-# The fairest queued job: the organisation with the fewest running jobs first, then the oldest in the queue.
+# The fairest queued job: the organisation with the fewest running jobs first, then the one that started a job
+# least recently, then the oldest in the queue.
 CLAIM = """
 WITH candidate AS (
     SELECT j.id FROM fine_tuning_jobs j
     WHERE j.status = 'queued' AND j.worker_id IS NULL
     ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
               WHERE r.organization_id = j.organization_id AND r.status = 'running'),
+             (SELECT max(r.started_at) FROM fine_tuning_jobs r
+              WHERE r.organization_id = j.organization_id) NULLS FIRST,
              j.queued_at, j.seq
     LIMIT 1
     FOR UPDATE SKIP LOCKED

@@ -1,0 +1,318 @@
+"""Training through the whole stack: the openai SDK -> gateway -> queue -> worker -> trainer process.
+
+One worker process serves this module; tests that kill or restart workers start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.support.stack import GatewayServer, Tenant, WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+SFT = [
+    {
+        "messages": [
+            {"role": "user", "content": f"What is {i} plus {i}?"},
+            {"role": "assistant", "content": f"{2 * i}"},
+        ]
+    }
+    for i in range(8)
+]
+DPO = [
+    {
+        "input": {"messages": [{"role": "user", "content": f"Greet person {i}"}]},
+        "preferred_output": [{"role": "assistant", "content": "Hello there!"}],
+        "non_preferred_output": [{"role": "assistant", "content": "Go away."}],
+    }
+    for i in range(8)
+]
+RFT = [{"messages": [{"role": "user", "content": f"Say yes ({i})"}], "answer": "yes"} for i in range(8)]
+CONTAINS_YES = {
+    "type": "string_check",
+    "name": "yes",
+    "input": "{{ sample.output_text }}",
+    "reference": "y",
+    "operation": "like",
+}
+
+
+def upload(t: Tenant, rows: list[dict]) -> str:
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    return t.client.files.create(file=("train.jsonl", data), purpose="fine-tune").id
+
+
+def wait_for(t: Tenant, job_id: str, states: tuple[str, ...], timeout: float = 240) -> Any:
+    deadline = time.monotonic() + timeout
+    job = t.client.fine_tuning.jobs.retrieve(job_id)
+    while job.status not in states:
+        assert time.monotonic() < deadline, f"job {job_id} stuck in {job.status}"
+        time.sleep(0.3)
+        job = t.client.fine_tuning.jobs.retrieve(job_id)
+    return job
+
+
+def all_events(t: Tenant, job_id: str) -> list[Any]:
+    return list(t.client.fine_tuning.jobs.list_events(job_id, limit=100))
+
+
+def metrics_steps(t: Tenant, job_id: str) -> list[int]:
+    return sorted(e.data["step"] for e in all_events(t, job_id) if e.type == "metrics")
+
+
+def trainer_processes(job_id: str) -> list[int]:
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "trainer run" in cmd and job_id in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+@pytest.fixture(scope="module")
+def worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(
+        stack.settings,
+        tmp_path_factory.mktemp("worker") / "worker.log",
+        TUNEGATE_STALE_AFTER_S="4",
+        TUNEGATE_REQUEUE_INTERVAL_S="2",
+    )
+    yield w
+    w.stop()
+
+
+def _assert_adapter_trained(stack: GatewayServer, t: Tenant, job_id: str) -> None:
+    adapter = stack.settings.blob_dir / "adapters" / t.org_id / job_id / "adapter_model.safetensors"
+    tensors = load_file(str(adapter))
+    lora_b = [v for k, v in tensors.items() if "lora_B" in k]
+    assert lora_b and any(float(v.abs().max()) > 0 for v in lora_b)  # LoRA B starts at zero
+
+
+def test_supervised_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    job = tenant.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(tenant, SFT),
+        suffix="sft",
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 2,
+                    "batch_size": 4,
+                    "learning_rate_multiplier": 10,
+                    "checkpoint_every": 2,
+                }
+            },
+        },
+    )
+    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    assert done.fine_tuned_model == f"ft:tiny-chat:{tenant.org_id}:sft:{job.id}"
+    assert done.trained_tokens and done.trained_tokens > 0 and done.finished_at
+    assert metrics_steps(tenant, job.id) == [1, 2, 3, 4]
+    metric = next(e for e in all_events(tenant, job.id) if e.type == "metrics")
+    assert {"step", "train_loss", "learning_rate"} <= set(metric.data)
+    ckpts = tenant.client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in ckpts] == [4, 2]
+    assert ckpts[0].fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-4"
+    assert ckpts[0].object == "fine_tuning.job.checkpoint" and ckpts[0].metrics.train_loss is not None
+    assert done.fine_tuned_model in [m.id for m in tenant.client.models.list()]
+    csv = tenant.client.files.content(done.result_files[0]).read().decode()
+    assert csv.splitlines()[0].startswith("step,") and len(csv.splitlines()) == 5
+    _assert_adapter_trained(stack, tenant, job.id)
+
+
+def test_dpo_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    job = tenant.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(tenant, DPO),
+        method={
+            "type": "dpo",
+            "dpo": {
+                "hyperparameters": {
+                    "n_epochs": 1,
+                    "batch_size": 4,
+                    "beta": 0.1,
+                    "learning_rate_multiplier": 20,
+                }
+            },
+        },
+    )
+    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    assert metrics_steps(tenant, job.id) == [1, 2]
+    _assert_adapter_trained(stack, tenant, job.id)
+
+
+def test_reinforcement_job_learns(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    job = tenant.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(tenant, RFT),
+        seed=1,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": CONTAINS_YES,
+                "hyperparameters": {
+                    "batch_size": 4,
+                    "num_generations": 4,
+                    "max_completion_length": 8,
+                    "learning_rate_multiplier": 3000,
+                    "max_steps": 30,
+                    "n_epochs": 50,
+                    "temperature": 1.0,
+                },
+            },
+        },
+    )
+    done = wait_for(tenant, job.id, ("succeeded", "failed"), timeout=400)
+    assert done.status == "succeeded", done.error
+    rewards = [
+        e.data["reward_mean"]
+        for e in sorted(
+            (e for e in all_events(tenant, job.id) if e.type == "metrics"), key=lambda e: e.data["step"]
+        )
+    ]
+    assert len(rewards) == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    _assert_adapter_trained(stack, tenant, job.id)
+
+
+def test_failing_trainer_fails_the_job(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    grader = {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}
+    job = tenant.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(tenant, RFT),
+        method={
+            "type": "reinforcement",
+            "reinforcement": {"grader": grader, "hyperparameters": {"max_steps": 2}},
+        },
+    )
+    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    assert done.status == "failed" and done.error is not None
+    assert done.error.code and "\n" not in done.error.message and "Traceback" not in done.error.message
+    assert trainer_processes(job.id) == []
+
+
+def _long_sft(t: Tenant, steps: int = 400) -> Any:
+    return t.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(t, SFT),
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 1,
+                    "max_steps": steps,
+                    "checkpoint_every": 3,
+                }
+            },
+        },
+    )
+
+
+def _wait_steps(t: Tenant, job_id: str, at_least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(metrics_steps(t, job_id)) < at_least:
+        assert time.monotonic() < deadline, "training did not progress"
+        time.sleep(0.3)
+
+
+def test_cancel_while_running(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    job = _long_sft(tenant)
+    _wait_steps(tenant, job.id, 2)
+    assert trainer_processes(job.id)
+    started = time.monotonic()
+    assert tenant.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    while trainer_processes(job.id):
+        assert time.monotonic() - started < 20, "trainer still running after cancel"
+        time.sleep(0.2)
+    assert wait_for(tenant, job.id, ("cancelled",)).status == "cancelled"
+
+
+def test_pause_then_resume_continues(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
+    jobs = tenant.client.fine_tuning.jobs
+    job = _long_sft(tenant, steps=60)
+    _wait_steps(tenant, job.id, 4)
+    assert jobs.pause(job.id).status == "paused"
+    deadline = time.monotonic() + 30
+    while trainer_processes(job.id):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    saved = max(c.step_number for c in jobs.checkpoints.list(job.id).data)
+    paused_steps = metrics_steps(tenant, job.id)
+    assert jobs.retrieve(job.id).status == "paused" and saved >= 3
+    assert jobs.resume(job.id).status == "queued"
+    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    assert metrics_steps(tenant, job.id) == list(range(1, 61))
+    assert len(paused_steps) < 60
+    messages = [e.message for e in all_events(tenant, job.id)]
+    assert any("resuming from step" in m for m in messages), messages
+
+
+def test_two_organisations_interleave(
+    stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, other_tenant: Tenant
+) -> None:
+    jobs_a = [_long_sft(tenant, steps=3) for _ in range(3)]
+    job_b = _long_sft(other_tenant, steps=3)
+    for j in jobs_a:
+        assert wait_for(tenant, j.id, ("succeeded", "failed")).status == "succeeded"
+    assert wait_for(other_tenant, job_b.id, ("succeeded", "failed")).status == "succeeded"
+
+    def started(t: Tenant, job_id: str) -> float:
+        return min(
+            e.created_at for e in all_events(t, job_id) if e.message.startswith("Fine-tuning job started")
+        )
+
+    # B's one job does not wait for all of A's: it starts before A's last job.
+    assert started(other_tenant, job_b.id) <= started(tenant, jobs_a[2].id)
+
+
+def test_worker_killed_mid_job_resumes(
+    stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path
+) -> None:
+    # A second worker takes the job while the module's worker is stopped, then is SIGKILLed.
+    worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        victim = WorkerProcess(
+            stack.settings,
+            tmp_path / "victim.log",
+            TUNEGATE_STALE_AFTER_S="4",
+            TUNEGATE_REQUEUE_INTERVAL_S="2",
+        )
+        job = _long_sft(tenant, steps=60)
+        _wait_steps(tenant, job.id, 5)
+        victim.kill()
+        deadline = time.monotonic() + 20
+        while trainer_processes(job.id):  # the trainer dies with its worker
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        victim.stop()
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    events = all_events(tenant, job.id)
+    steps = [e.data["step"] for e in events if e.type == "metrics"]
+    assert sorted(steps) == list(range(1, 61))  # each step once, also the replayed ones
+    ckpts = [c.step_number for c in tenant.client.fine_tuning.jobs.checkpoints.list(job.id, limit=100)]
+    assert len(ckpts) == len(set(ckpts))
+    assert any("re-queued" in e.message for e in events)
