@@ -128,6 +128,12 @@ class Settings(BaseSettings):
     billing_interval_s: int = 60
     """How often the worker aggregates unbilled usage and sends pending meter events."""
 
+    base_url: str | None = None
+    """Gateway URL the `tunegate` client commands talk to (`jobs follow`, `quickstart`), e.g.
+    `http://gw:8000/v1`. Unset: `http://<host>:<port>/v1`."""
+    api_key: SecretStr | None = None
+    """API key (`sk-tg-...`) the `tunegate` client commands use. Unset: `--api-key` must name one."""
+
     @cached_property
     def blob_dir(self) -> Path:
         """Root of the local blob store."""
