@@ -128,6 +128,33 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
+def map_infrastructure_error(exc: BaseException) -> APIError | None:
+    """A lost database or queue connection as a 503 the client may retry; None for anything else."""
+    import asyncpg
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if isinstance(
+        exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError | asyncpg.CannotConnectNowError
+    ):
+        return ServiceUnavailable(
+            "The database is unavailable; retry shortly.",
+            code="database_unavailable",
+            headers={"retry-after": "1"},
+        )
+    if isinstance(exc, OSError | TimeoutError):  # asyncpg reports a refused (re)connect as an OSError
+        return ServiceUnavailable(
+            "A backing service is unavailable; retry shortly.",
+            code="service_unavailable",
+            headers={"retry-after": "1"},
+        )
+    if isinstance(exc, RedisConnectionError | RedisTimeoutError):
+        return ServiceUnavailable(
+            "The queue is unavailable; retry shortly.", code="queue_unavailable", headers={"retry-after": "1"}
+        )
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Route every exception through the one mapper."""
 
@@ -161,6 +188,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(mapped)
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
+        mapped = map_infrastructure_error(exc)
+        if mapped is not None:
+            logger.warning("%s %s: %s", request.method, request.url.path, mapped.message)
+            return error_response(mapped)
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(APIError("The server had an error while processing your request."))
 

@@ -181,19 +181,20 @@ class WorkerProcess:
 def make_settings(
     *, data_dir: Path, database_url: str, redis_url: str, tiny_model: Path, **extra: Any
 ) -> Settings:
-    return Settings(
-        data_dir=data_dir,
-        database_url=database_url,
-        redis_url=redis_url,
-        admin_key=secrets.token_urlsafe(16),  # type: ignore[arg-type]
-        port=free_port(),
-        base_models={"tiny-chat": BaseModelConfig(path=tiny_model)},
-        queue_name=f"tunegate:test:{secrets.token_hex(4)}",
-        max_upload_bytes=256 * 1024 * 1024,
-        max_jsonl_line_bytes=4 * 1024 * 1024,
-        auth_cache_ttl_s=5.0,
-        **extra,
-    )
+    values: dict[str, Any] = {
+        "data_dir": data_dir,
+        "database_url": database_url,
+        "redis_url": redis_url,
+        "admin_key": secrets.token_urlsafe(16),
+        "port": free_port(),
+        "base_models": {"tiny-chat": BaseModelConfig(path=tiny_model)},
+        "queue_name": f"tunegate:test:{secrets.token_hex(4)}",
+        "max_upload_bytes": 256 * 1024 * 1024,
+        "max_jsonl_line_bytes": 4 * 1024 * 1024,
+        "auth_cache_ttl_s": 5.0,
+    }
+    values.update(extra)
+    return Settings(**values)
 
 
 class Tenant:
