@@ -52,6 +52,7 @@ def up(
     host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where everything is kept.")] = None,
+    engine_port: Annotated[int | None, typer.Option(help="Port of the embedded inference engine.")] = None,
 ) -> None:
     """Run the whole stack in the foreground (embedded PostgreSQL and Redis when no URLs are set)."""
     from tunegate.stack import run_stack
@@ -63,6 +64,8 @@ def up(
         overrides["port"] = port
     if data_dir is not None:
         overrides["data_dir"] = data_dir
+    if engine_port is not None:
+        overrides["engine_port"] = engine_port
     settings = Settings(**overrides)  # type: ignore[arg-type]
     _logging(settings)
     raise typer.Exit(run_stack(settings))
@@ -162,6 +165,77 @@ def make_tiny(directory: Path) -> None:
     from trainer.tiny import make_tiny_model
 
     typer.echo(str(make_tiny_model(directory)))
+
+
+BaseUrlOpt = Annotated[
+    str | None, typer.Option("--base-url", help="Gateway URL (default: TUNEGATE_BASE_URL, else host:port).")
+]
+ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="API key (default: TUNEGATE_API_KEY).")]
+
+
+@jobs_app.command("follow")
+def jobs_follow(
+    job_id: str,
+    base_url: BaseUrlOpt = None,
+    api_key: ApiKeyOpt = None,
+    poll: Annotated[float, typer.Option(help="Seconds between polls.")] = 1.0,
+) -> None:
+    """Follow a fine-tuning job until it ends: step / total, reward and loss live, then the outcome."""
+    from rich.console import Console
+
+    from tunegate.client import make_client
+    from tunegate.follow import follow_job
+
+    settings = Settings()
+    try:
+        client = make_client(settings, base_url=base_url, api_key=api_key)
+    except ValueError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from exc
+    result = follow_job(client, job_id, console=Console(), poll_s=poll)
+    raise typer.Exit(0 if result.job.status == "succeeded" else 1)
+
+
+@app.command()
+def quickstart(
+    data_dir: Annotated[Path, typer.Option(help="Data dir of the stack started (or found) here.")] = Path(
+        ".tunegate"
+    ),
+    base_url: BaseUrlOpt = None,
+    keep_running: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
+    steps: Annotated[int, typer.Option(help="GRPO steps of the quickstart job.")] = 20,
+    engine_port: Annotated[int | None, typer.Option(help="Engine port of a stack started here.")] = None,
+) -> None:
+    """Start the stack (unless one answers), train `tiny-chat` with RL on the example environment, chat
+    with the result and draw its reward curve."""
+    from rich.console import Console
+
+    from tunegate.client import api_base_url
+    from tunegate.quickstart import run_quickstart
+
+    settings = Settings(data_dir=data_dir)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    console = Console()
+    try:
+        run_quickstart(
+            settings,
+            console=console,
+            base_url=api_base_url(settings, base_url),
+            keep_running=keep_running,
+            steps=steps,
+            engine_port=engine_port,
+        )
+    except (RuntimeError, OSError) as exc:
+        console.print(f"[red]quickstart failed:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+
+
+@app.command("docs-settings")
+def docs_settings() -> None:
+    """Print the settings reference (Markdown) made from the Settings class: `> docs/settings.md`."""
+    from tunegate.settings_doc import settings_markdown
+
+    typer.echo(settings_markdown(), nl=False)
 
 
 def main() -> None:

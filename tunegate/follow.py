@@ -1,0 +1,145 @@
+"""`tunegate jobs follow`: watch a fine-tuning job through the public API until it ends.
+
+Polls the job and its events with the `openai` SDK, draws a live progress bar (step / total, reward, loss),
+prints the job's messages as they arrive, and returns the job's last state with every metrics point seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import openai
+    from openai.types.fine_tuning import FineTuningJob, FineTuningJobEvent
+    from rich.console import Console
+
+logger = logging.getLogger(__name__)
+
+TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
+REWARD_KEY = "reward_mean"
+"""Metrics field of the mean reward of a step (reinforcement jobs)."""
+LOSS_KEY = "train_loss"
+"""Metrics field of the training loss of a step."""
+
+
+@dataclass
+class FollowResult:
+    """What following a job saw."""
+
+    job: FineTuningJob
+    """The job as last retrieved (a terminal state unless following timed out)."""
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    """The `data` of every `metrics` event, one per step, ordered by step."""
+    messages: list[str] = field(default_factory=list)
+    """The text of every other event, oldest first."""
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric over the steps that report it."""
+        steps, values = [], []
+        for point in self.metrics:
+            value = point.get(key)
+            if isinstance(value, int | float):
+                steps.append(int(point["step"]))
+                values.append(float(value))
+        return steps, values
+
+
+def new_events(client: openai.OpenAI, job_id: str, seen: set[str]) -> list[FineTuningJobEvent]:
+    """Events of the job not in `seen` (which is updated), oldest first. The API lists newest first, so
+    pages are read until an already seen event turns up."""
+    fresh: list[FineTuningJobEvent] = []
+    page = client.fine_tuning.jobs.list_events(job_id, limit=100)
+    while True:
+        hit_seen = False
+        for event in page.data:
+            if event.id in seen:
+                hit_seen = True
+                break
+            fresh.append(event)
+        if hit_seen or not page.has_next_page():
+            break
+        page = page.get_next_page()
+    seen.update(e.id for e in fresh)
+    fresh.reverse()
+    return fresh
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "—"
+
+
+def follow_job(
+    client: openai.OpenAI,
+    job_id: str,
+    *,
+    console: Console | None = None,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+) -> FollowResult:
+    """Follow `job_id` until it is succeeded, failed or cancelled (or `timeout_s` passes); shows progress
+    on `console` and returns what was seen."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    seen: set[str] = set()
+    by_step: dict[int, dict[str, Any]] = {}
+    messages: list[str] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("step {task.completed:.0f}/{task.fields[total_text]}"),
+        TextColumn("reward {task.fields[reward]}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    job = client.fine_tuning.jobs.retrieve(job_id)
+    with progress:
+        task = progress.add_task(job.status, total=None, total_text="?", reward="—", loss="—")
+        while True:
+            for event in new_events(client, job_id, seen):
+                if event.type == "metrics" and isinstance(event.data, dict) and "step" in event.data:
+                    by_step[int(event.data["step"])] = dict(event.data)
+                else:
+                    messages.append(event.message)
+                    progress.console.print(f"[dim]{event.level}[/dim] {event.message}", highlight=False)
+            if by_step:
+                last = by_step[max(by_step)]
+                total = last.get("total_steps")
+                progress.update(
+                    task,
+                    completed=int(last["step"]),
+                    total=int(total) if isinstance(total, int) else None,
+                    total_text=str(total) if total is not None else "?",
+                    reward=_fmt(last.get(REWARD_KEY)),
+                    loss=_fmt(last.get(LOSS_KEY)),
+                )
+            progress.update(task, description=job.status)
+            if job.status in TERMINAL_STATES:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("stopped following %s after %.0fs (still %s)", job_id, timeout_s, job.status)
+                break
+            time.sleep(poll_s)
+            job = client.fine_tuning.jobs.retrieve(job_id)
+    result = FollowResult(job=job, metrics=[by_step[s] for s in sorted(by_step)], messages=messages)
+    print_outcome(console, result)
+    return result
+
+
+def print_outcome(console: Console, result: FollowResult) -> None:
+    """The final status, the fine-tuned model and any error."""
+    job = result.job
+    colour = {"succeeded": "green", "failed": "red", "cancelled": "yellow"}.get(job.status, "white")
+    console.print(f"job {job.id}: [bold {colour}]{job.status}[/]", highlight=False)
+    if job.fine_tuned_model:
+        console.print(f"fine-tuned model: {job.fine_tuned_model}", highlight=False)
+    if job.trained_tokens:
+        console.print(f"trained tokens: {job.trained_tokens}", highlight=False)
+    if job.error is not None and (job.error.code or job.error.message):
+        console.print(f"[red]error {job.error.code}[/red]: {job.error.message}", highlight=False)
