@@ -1,12 +1,13 @@
 """One plain ASGI middleware for every request: an `x-request-id`, and Prometheus request metrics.
 
-Plain ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and cheaply.
+Plain ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and cheaply. Metric
+children are looked up once per (method, route, status) and kept: `labels()` costs more than the update.
 """
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -31,6 +32,24 @@ class Metrics:
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
+        self._counters: dict[tuple[str, str, int], Any] = {}
+        self._timers: dict[tuple[str, str], Any] = {}
+
+    def count(self, method: str, route: str, status: int) -> None:
+        """One more request of (method, route, status)."""
+        key = (method, route, status)
+        child = self._counters.get(key)
+        if child is None:
+            child = self._counters[key] = self.requests.labels(method, route, str(status))
+        child.inc()
+
+    def observe(self, method: str, route: str, seconds: float) -> None:
+        """Time to first byte of one request."""
+        key = (method, route)
+        child = self._timers.get(key)
+        if child is None:
+            child = self._timers[key] = self.latency.labels(method, route)
+        child.observe(seconds)
 
 
 class RequestContextMiddleware:
@@ -42,7 +61,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = "req_" + uuid.uuid4().hex
+        request_id = "req_" + os.urandom(16).hex()
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
         status = 500
@@ -54,15 +73,11 @@ class RequestContextMiddleware:
                 headers: list[Any] = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode()))
                 message["headers"] = headers
-                route = scope.get("route")
-                path = getattr(route, "path", "unmatched")
-                self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - started)
+                path = getattr(scope.get("route"), "path", "unmatched")
+                self.metrics.observe(scope["method"], path, time.perf_counter() - started)
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = scope.get("route")
-            self.metrics.requests.labels(
-                scope["method"], getattr(route, "path", "unmatched"), str(status)
-            ).inc()
+            self.metrics.count(scope["method"], getattr(scope.get("route"), "path", "unmatched"), status)
