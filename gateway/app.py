@@ -11,12 +11,16 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 from fastapi.responses import ORJSONResponse
 
+from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
 from gateway.deps import Resources
 from gateway.errors import install_error_handlers
 from gateway.files.router import router as files_router
 from gateway.jobs.router import router as jobs_router
+from gateway.limits.buckets import Buckets, make_limits_redis
+from gateway.limits.guard import Guard
+from gateway.limits.router import router as limits_router
 from gateway.middleware import Metrics, RequestContextMiddleware
 from gateway.models.router import router as models_router
 from gateway.ops.router import router as ops_router
@@ -26,6 +30,7 @@ from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.usage.router import router as usage_router
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,10 @@ def create_app(settings: Settings) -> FastAPI:
             serving=ServingState(settings),
             extras={"started_at": int(time.time())},
         )
+        assert res.serving is not None
+        res.serving.usage.start(pool)
+        limits_redis = make_limits_redis(settings.redis_url) if settings.redis_url else None
+        res.serving.guard = Guard(settings, pool, Buckets(limits_redis) if limits_redis is not None else None)
         app.state.resources = res
         flusher = asyncio.create_task(auth.run_flusher())
         try:
@@ -63,8 +72,9 @@ def create_app(settings: Settings) -> FastAPI:
                 await flusher
             with contextlib.suppress(Exception):
                 await auth.flush_last_used()
-            assert res.serving is not None
-            await res.serving.aclose()
+            await res.serving.aclose()  # writes the usage still waiting in the buffer
+            if limits_redis is not None:
+                await limits_redis.aclose()
             if queue is not None:
                 await queue.aclose()
             await pool.close()
@@ -78,7 +88,17 @@ def create_app(settings: Settings) -> FastAPI:
     metrics = Metrics()
     app.state.metrics = metrics
     install_error_handlers(app)
-    for router in (admin_router, files_router, jobs_router, models_router, ops_router, serving_router):
+    for router in (
+        admin_router,
+        files_router,
+        jobs_router,
+        models_router,
+        ops_router,
+        serving_router,
+        usage_router,
+        limits_router,
+        billing_router,
+    ):
         app.include_router(router)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

@@ -1,15 +1,18 @@
 """Serving logic: which model a request names, which engine serves it, and the proxying itself.
 
 The hot path makes no database query for a model seen in the last few seconds (`ModelCache`), holds no
-lock, and does no blocking work: one orjson parse of the body, one of each SSE line.
+lock, and does no blocking work: one orjson parse of the body, one of each SSE line. Rate limits and the
+budget are checked (Redis, one script each) before the upstream call and settled after it; usage is queued
+for a batched write, never written on the request path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import asyncpg
 import httpx
@@ -18,6 +21,7 @@ from starlette.responses import Response, StreamingResponse
 
 from gateway.deps import Resources
 from gateway.errors import APIError, ServiceUnavailable, UpstreamError, not_found
+from gateway.limits.guard import Admission
 from gateway.serving.protocol import (
     ProxyRequest,
     StreamRewriter,
@@ -28,6 +32,7 @@ from gateway.serving.protocol import (
 from gateway.serving.upstreams import ServingState, Target, Upstream
 from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
+from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -207,18 +212,67 @@ async def _open(
     )
 
 
+async def _admit(
+    state: ServingState, who: Principal, proxy: ProxyRequest, target: Target
+) -> Admission | None:
+    """Rate limits and budget before the upstream call (429 when over); None when nothing is enforced."""
+    if state.guard is None:
+        return None
+    prompt = estimate_prompt_tokens(proxy.body)
+    most = requested_max_tokens(proxy.body, state.settings.budget_default_max_tokens)
+    return await state.guard.admit(who.organization_id, who.api_key_id, target.base_model, prompt, most)
+
+
+async def _meter(
+    state: ServingState,
+    who: Principal,
+    proxy: ProxyRequest,
+    target: Target,
+    admission: Admission | None,
+    usage: dict[str, Any] | None,
+    *,
+    started: float,
+    status: int,
+) -> None:
+    """After the answer: one usage row (batched, off the request path) and the guard settled."""
+    rec = state.usage.record(
+        who.organization_id,
+        who.api_key_id,
+        proxy.model,
+        usage,
+        base_model=target.base_model,
+        started=started,
+        status=status,
+    )
+    if admission is not None and state.guard is not None:
+        await state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
+
+
 async def complete(
     state: ServingState, request: Request, who: Principal, path: str, proxy: ProxyRequest, target: Target
 ) -> Response:
     """A non-streamed completion: the engine's JSON with `model` rewritten."""
+    started = time.time()
+    admission = await _admit(state, who, proxy, target)
 
     async def work() -> Response:
-        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=False)
-        up.in_flight -= 1
-        out, usage = rewrite_response(resp.content, proxy.model)
-        if usage is not None:
-            state.usage.record(who.organization_id, who.api_key_id, proxy.model, usage)
-        return Response(out, status_code=resp.status_code, media_type="application/json")
+        status, usage = 499, None
+        try:
+            up, resp = await _open(
+                state, path, target, proxy.upstream_body(target.engine_model), stream=False
+            )
+            up.in_flight -= 1
+            out, usage = rewrite_response(resp.content, proxy.model)
+            status = resp.status_code
+            headers = admission.headers if admission is not None else None
+            return Response(out, status_code=resp.status_code, media_type="application/json", headers=headers)
+        except APIError as exc:
+            status = exc.status
+            raise
+        finally:
+            await asyncio.shield(
+                _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+            )
 
     return await _until_disconnect(request, work())
 
@@ -227,7 +281,16 @@ async def stream(
     state: ServingState, who: Principal, path: str, proxy: ProxyRequest, target: Target
 ) -> Response:
     """A streamed completion: the first upstream chunk is read before the 200 is committed."""
-    up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=True)
+    started = time.time()
+    admission = await _admit(state, who, proxy, target)
+    try:
+        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=True)
+    except BaseException as exc:
+        status = exc.status if isinstance(exc, APIError) else 499
+        await asyncio.shield(
+            _meter(state, who, proxy, target, admission, None, started=started, status=status)
+        )
+        raise
     rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
     lines = resp.aiter_lines()
     try:
@@ -235,11 +298,14 @@ async def stream(
     except BaseException as exc:
         up.in_flight -= 1
         await resp.aclose()
+        await asyncio.shield(_meter(state, who, proxy, target, admission, None, started=started, status=503))
         if isinstance(exc, httpx.HTTPError):
             raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
         raise
 
     async def body() -> AsyncIterator[bytes]:
+        chunks = 0
+        status = 499  # until the stream ends, the client may go away
         try:
             if first is not None:
                 out = rewriter.line(first.encode())
@@ -248,9 +314,12 @@ async def stream(
                 async for line in lines:
                     out = rewriter.line(line.encode())
                     if out is not None:
+                        chunks += out.startswith(b"data: {")
                         yield out + b"\n"
+            status = 200
         except httpx.HTTPError as exc:
             logger.warning("stream from %s broke: %s", up.url, exc)
+            status = 502
             yield b"\n" + error_event(
                 UpstreamError(
                     502,
@@ -264,13 +333,23 @@ async def stream(
         finally:
             up.in_flight -= 1
             await resp.aclose()
-            if rewriter.usage is not None:
-                state.usage.record(who.organization_id, who.api_key_id, proxy.model, rewriter.usage)
+            usage = rewriter.usage
+            if usage is None:
+                # No usage chunk (the client left early or the stream broke): bill what was sent, about
+                # one token per chunk, and the estimated prompt.
+                usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
+            await asyncio.shield(
+                _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+            )
         if not rewriter.saw_done:
             yield b"\ndata: [DONE]\n\n"
 
     return StreamingResponse(
         body(),
         media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        headers={
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+            **(admission.headers if admission is not None else {}),
+        },
     )

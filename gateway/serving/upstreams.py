@@ -1,5 +1,5 @@
 """Serving state made once in the lifespan: the pooled HTTP client, the engines of every base model, adapter
-loads (single-flight), the model cache and the usage sink.
+loads (single-flight), the model cache, usage metering and the rate-limit/budget guard.
 
 Routing: each base model has one or more engine base URLs. A request for an adapter goes to an engine that
 already holds it (least in-flight among those); otherwise, and for base-model requests, to the engine with
@@ -13,14 +13,14 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
 from gateway.errors import APIError, ServiceUnavailable
+from gateway.limits.guard import Guard
 from gateway.settings import Settings
+from gateway.usage.buffer import UsageBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -122,37 +122,6 @@ class ModelCache:
             self._entries.pop(key, None)
 
 
-@dataclass(frozen=True, slots=True)
-class UsageRecord:
-    """Token usage of one completion."""
-
-    organization_id: str
-    api_key_id: str
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    at: float
-
-
-class UsageSink:
-    """Where completions report usage: a bounded in-memory log until metering drains it."""
-
-    def __init__(self, maxlen: int = 10_000) -> None:
-        self.records: deque[UsageRecord] = deque(maxlen=maxlen)
-
-    def record(self, organization_id: str, api_key_id: str, model: str, usage: dict[str, Any]) -> None:
-        self.records.append(
-            UsageRecord(
-                organization_id=organization_id,
-                api_key_id=api_key_id,
-                model=model,
-                prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                completion_tokens=int(usage.get("completion_tokens") or 0),
-                at=time.time(),
-            )
-        )
-
-
 class AdapterLoadFailed(APIError):
     status = 500
     type = "server_error"
@@ -167,12 +136,20 @@ class ServingState:
         self.client = client if client is not None else make_client()
         self.pools = {name: UpstreamPool(name, cfg.upstreams) for name, cfg in settings.base_models.items()}
         self.models = ModelCache(ttl_s=max(settings.auth_cache_ttl_s, 1.0))
-        self.usage = UsageSink()
+        self.usage = UsageBuffer(
+            max_rows=settings.usage_buffer_rows,
+            flush_rows=settings.usage_flush_rows,
+            flush_interval_s=settings.usage_flush_interval_s,
+        )
+        """Completion metering: written in batches once `usage.start(pool)` ran (the gateway's lifespan)."""
+        self.guard: Guard | None = None
+        """Rate limits and budgets; None (nothing enforced) until the lifespan makes one."""
         self.load_count = 0
         """Adapter loads actually sent to engines (single-flight makes concurrent misses one load)."""
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
 
     async def aclose(self) -> None:
+        await self.usage.aclose()
         await self.client.aclose()
 
     def pool_for(self, base_model: str) -> UpstreamPool:

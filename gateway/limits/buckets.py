@@ -1,0 +1,211 @@
+"""Redis side of rate limits and budgets: token buckets and budget reservations, each checked and taken in
+one Lua script (atomic across every gateway), registered with redis-py `register_script` (which reloads the
+script after a `NOSCRIPT`).
+
+Buckets refill continuously: a limit of N per minute holds at most N and gains N/60 each second. Budgets
+are in micro-USD (whole numbers, so Redis keeps them exact): a hash `{spent, reserved}` per organisation and
+month. If Redis cannot be reached the callers fail open (serving goes on) and log a warning; Redis is then
+left alone for a few seconds so a dead Redis costs no latency.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "tunegate:"
+DOWN_FOR_S = 5.0
+
+# KEYS: bucket keys. ARGV: now_ms, then (capacity, cost) per key. All buckets must hold their cost, or
+# nothing is taken. Returns {allowed, retry_after_ms, then remaining, ms until full, per key}.
+TAKE = """
+local now = tonumber(ARGV[1])
+local state = {}
+local allowed = 1
+local retry = 0
+for i, key in ipairs(KEYS) do
+  local cap = tonumber(ARGV[2 * i])
+  local cost = math.min(tonumber(ARGV[2 * i + 1]), cap)
+  local rate = cap / 60000.0
+  local h = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens = tonumber(h[1]) or cap
+  local ts = tonumber(h[2]) or now
+  tokens = math.min(cap, tokens + math.max(0, now - ts) * rate)
+  state[i] = {tokens, cap, cost, rate}
+  if tokens < cost then
+    allowed = 0
+    retry = math.max(retry, math.ceil((cost - tokens) / rate))
+  end
+end
+local out = {allowed, retry}
+for i, key in ipairs(KEYS) do
+  local tokens, cap, cost, rate = state[i][1], state[i][2], state[i][3], state[i][4]
+  if allowed == 1 then tokens = tokens - cost end
+  redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
+  redis.call('PEXPIRE', key, 120000)
+  out[#out + 1] = math.floor(math.max(0, tokens))
+  out[#out + 1] = math.ceil((cap - tokens) / rate)
+end
+return out
+"""
+
+# KEYS: bucket keys. ARGV: now_ms, then (capacity, delta) per key: take `delta` more (negative: give back).
+ADJUST = """
+local now = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  local cap = tonumber(ARGV[2 * i])
+  local delta = tonumber(ARGV[2 * i + 1])
+  local h = redis.call('HMGET', key, 'tokens', 'ts')
+  if h[1] then
+    local rate = cap / 60000.0
+    local tokens = math.min(cap, tonumber(h[1]) + math.max(0, now - tonumber(h[2])) * rate)
+    tokens = math.min(cap, tokens - delta)
+    redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
+  end
+end
+return 1
+"""
+
+# KEYS[1]: the month's budget hash. ARGV: limit, estimate, seed ('' when unknown); all micro-USD.
+# Returns {1, spent, reserved} when reserved, {0, spent, reserved} when over budget, {-1} when the month's
+# spend is unknown here (the caller reads it from the database and calls again with a seed).
+RESERVE = """
+local spent = redis.call('HGET', KEYS[1], 'spent')
+if not spent then
+  if ARGV[3] == '' then return {-1} end
+  redis.call('HSETNX', KEYS[1], 'spent', ARGV[3])
+  redis.call('HSETNX', KEYS[1], 'reserved', 0)
+  redis.call('EXPIRE', KEYS[1], 3456000)
+  spent = redis.call('HGET', KEYS[1], 'spent')
+end
+spent = tonumber(spent)
+local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
+local est = tonumber(ARGV[2])
+if spent + reserved + est > tonumber(ARGV[1]) then return {0, spent, reserved} end
+redis.call('HINCRBY', KEYS[1], 'reserved', est)
+return {1, spent, reserved + est}
+"""
+
+# KEYS[1]: the month's budget hash. ARGV: reserved estimate to release, actual cost to add (micro-USD).
+# The spend is added only where the hash exists (else the next reservation seeds it from the database).
+SETTLE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local est = tonumber(ARGV[1])
+if est > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', -est) end
+redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """One bucket after a check: what the `x-ratelimit-*` headers report."""
+
+    limit: int
+    remaining: int
+    reset_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TakeResult:
+    allowed: bool
+    retry_after_ms: int
+    buckets: list[BucketState]
+
+
+def to_micro(usd: float) -> int:
+    """USD as whole micro-USD, rounded up (a reservation never underestimates)."""
+    return int(-(-usd * 1_000_000 // 1))
+
+
+def month_key(org_id: str, at: float | None = None) -> str:
+    return f"{KEY_PREFIX}budget:{org_id}:{time.strftime('%Y%m', time.gmtime(at or time.time()))}"
+
+
+def bucket_key(subject: str, kind: str) -> str:
+    """`subject` is `org:<id>` or `key:<id>`; `kind` is `requests` or `tokens`."""
+    return f"{KEY_PREFIX}rl:{subject}:{kind}"
+
+
+def make_limits_redis(redis_url: str) -> Redis:
+    """A Redis client for limits: short timeouts, since a slow Redis must not slow serving."""
+    return Redis.from_url(redis_url, socket_connect_timeout=0.5, socket_timeout=1.0)
+
+
+class Buckets:
+    """The scripts on one Redis client, failing open while Redis is unreachable."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._take = redis.register_script(TAKE)
+        self._adjust = redis.register_script(ADJUST)
+        self._reserve = redis.register_script(RESERVE)
+        self._settle = redis.register_script(SETTLE)
+        self._down_until = 0.0
+        self.failures = 0
+        """Redis calls that failed (each one let its request through)."""
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.failures += 1
+        self._down_until = time.monotonic() + DOWN_FOR_S
+        logger.warning("redis unavailable for %s, failing open for %.0fs: %s", what, DOWN_FOR_S, exc)
+
+    async def take(self, buckets: list[tuple[str, int, int]]) -> TakeResult | None:
+        """Take `cost` from every `(key, capacity, cost)` bucket, or from none; None when Redis is down."""
+        if not buckets or not self.available:
+            return None
+        args: list[int] = [int(time.time() * 1000)]
+        for _, cap, cost in buckets:
+            args += [cap, cost]
+        try:
+            out = await self._take(keys=[b[0] for b in buckets], args=args)
+        except (RedisError, OSError) as exc:
+            self._failed("rate limits", exc)
+            return None
+        states = [
+            BucketState(limit=buckets[i][1], remaining=int(out[2 + 2 * i]), reset_ms=int(out[3 + 2 * i]))
+            for i in range(len(buckets))
+        ]
+        return TakeResult(allowed=bool(out[0]), retry_after_ms=int(out[1]), buckets=states)
+
+    async def adjust(self, buckets: list[tuple[str, int, int]]) -> None:
+        """Take `delta` more from each `(key, capacity, delta)` bucket (negative gives back)."""
+        if not buckets or not self.available:
+            return
+        args: list[int] = [int(time.time() * 1000)]
+        for _, cap, delta in buckets:
+            args += [cap, delta]
+        try:
+            await self._adjust(keys=[b[0] for b in buckets], args=args)
+        except (RedisError, OSError) as exc:
+            self._failed("rate limits", exc)
+
+    async def reserve(self, key: str, *, limit: int, estimate: int, seed: int | None) -> int | None:
+        """1 reserved, 0 over budget, -1 spend unknown (call again with `seed`); None when Redis is down."""
+        if not self.available:
+            return None
+        try:
+            out = await self._reserve(keys=[key], args=[limit, estimate, "" if seed is None else seed])
+        except (RedisError, OSError) as exc:
+            self._failed("budgets", exc)
+            return None
+        return int(out[0])
+
+    async def settle(self, key: str, *, reserved: int, actual: int) -> None:
+        """Release a reservation and add the actual cost (both micro-USD)."""
+        if not self.available:
+            return
+        try:
+            await self._settle(keys=[key], args=[reserved, actual])
+        except (RedisError, OSError) as exc:
+            self._failed("budgets", exc)

@@ -1,0 +1,200 @@
+"""The request-path guard: rate limits and the monthly budget, checked before the upstream call and settled
+after it.
+
+`admit()` takes one request and the estimated tokens (prompt estimate + max tokens) from the key's and the
+organisation's buckets in one Lua call, then reserves the estimated cost against the organisation's budget
+in another; `settle()` gives back the unused tokens and turns the reservation into the actual cost. Limits and
+budgets are cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops
+the entry of an organisation it changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from gateway.errors import InsufficientQuota, RateLimited
+from gateway.limits import store
+from gateway.limits.buckets import Buckets, BucketState, bucket_key, month_key, to_micro
+from gateway.settings import Settings
+from gateway.usage.pricing import completion_cost, training_cost
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """Per-minute limits of one subject (None: unlimited)."""
+
+    requests: int | None = None
+    tokens: int | None = None
+
+
+@dataclass(slots=True)
+class OrgPolicy:
+    """What the guard knows of one organisation."""
+
+    org: Limit = field(default_factory=Limit)
+    keys: dict[str, Limit] = field(default_factory=dict)
+    budget_micro: int | None = None
+    """Monthly hard limit in micro-USD, None for none."""
+    expires: float = 0.0
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request let through: what to settle afterwards and which headers to send."""
+
+    org_id: str
+    base_model: str
+    token_buckets: list[tuple[str, int, int]]
+    """`(key, capacity, tokens taken)` of the token buckets charged with the estimate."""
+    budget_key: str | None
+    reserved_micro: int
+    headers: dict[str, str]
+    settled: bool = False
+
+
+def _duration(ms: int) -> str:
+    """OpenAI's reset format: `1s`, `6m0s`, `250ms`."""
+    if ms < 1000:
+        return f"{max(0, ms)}ms"
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    return f"{int(seconds // 60)}m{int(seconds % 60)}s"
+
+
+def _headers(kinds: list[str], states: list[BucketState]) -> dict[str, str]:
+    """`x-ratelimit-*` headers: per kind, the bucket with the least left."""
+    out: dict[str, str] = {}
+    for kind in ("requests", "tokens"):
+        mine = [s for k, s in zip(kinds, states, strict=True) if k == kind]
+        if not mine:
+            continue
+        tight = min(mine, key=lambda s: s.remaining)
+        out[f"x-ratelimit-limit-{kind}"] = str(tight.limit)
+        out[f"x-ratelimit-remaining-{kind}"] = str(tight.remaining)
+        out[f"x-ratelimit-reset-{kind}"] = _duration(tight.reset_ms)
+    return out
+
+
+class Guard:
+    """Rate limits and budgets for every request of one gateway."""
+
+    def __init__(self, settings: Settings, pool: asyncpg.Pool, buckets: Buckets | None) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.buckets = buckets
+        self._policies: dict[str, OrgPolicy] = {}
+
+    # ---- cached policies ------------------------------------------------------------------------------
+    async def policy(self, org_id: str) -> OrgPolicy:
+        hit = self._policies.get(org_id)
+        if hit is not None and hit.expires > time.monotonic():
+            return hit
+        policy = OrgPolicy(expires=time.monotonic() + self.settings.limits_cache_ttl_s)
+        for row in await store.limits_of_org(self.pool, org_id=org_id):
+            limit = Limit(row["max_requests_per_1_minute"], row["max_tokens_per_1_minute"])
+            if row["api_key_id"]:
+                policy.keys[row["api_key_id"]] = limit
+            else:
+                policy.org = limit
+        billing = await store.billing_of_org(self.pool, org_id=org_id)
+        if billing is not None and billing["monthly_budget_usd"] is not None:
+            policy.budget_micro = to_micro(billing["monthly_budget_usd"])
+        if len(self._policies) > 100_000:
+            self._policies.clear()
+        self._policies[org_id] = policy
+        return policy
+
+    def forget(self, org_id: str) -> None:
+        """Drop the cached policy of an organisation (its limits or budget changed)."""
+        self._policies.pop(org_id, None)
+
+    async def month_spend_micro(self, org_id: str) -> int:
+        """Month-to-date spend of an organisation from the database (completions and training)."""
+        completions, training = await store.month_usage(self.pool, org_id=org_id)
+        total = 0.0
+        for r in completions:
+            total += completion_cost(
+                self.settings, r["base_model"], r["prompt_tokens"], r["completion_tokens"]
+            )
+        for r in training:
+            total += training_cost(self.settings, r["base_model"], r["trained_tokens"], r["training_seconds"])
+        return to_micro(total)
+
+    # ---- the request path ------------------------------------------------------------------------------
+    async def admit(
+        self, org_id: str, key_id: str, base_model: str, prompt_tokens: int, max_tokens: int
+    ) -> Admission:
+        """Let a request through, or raise 429 `rate_limit_exceeded` / `insufficient_quota`."""
+        policy = await self.policy(org_id)
+        estimate = prompt_tokens + max_tokens
+        checks: list[tuple[str, int, int]] = []
+        kinds: list[str] = []
+        for subject, limit in ((f"key:{key_id}", policy.keys.get(key_id)), (f"org:{org_id}", policy.org)):
+            if limit is None:
+                continue
+            if limit.requests:
+                checks.append((bucket_key(subject, "requests"), limit.requests, 1))
+                kinds.append("requests")
+            if limit.tokens:
+                checks.append((bucket_key(subject, "tokens"), limit.tokens, estimate))
+                kinds.append("tokens")
+        headers: dict[str, str] = {}
+        token_buckets: list[tuple[str, int, int]] = []
+        if checks and self.buckets is not None:
+            taken = await self.buckets.take(checks)
+            if taken is not None:
+                headers = _headers(kinds, taken.buckets)
+                if not taken.allowed:
+                    retry_s = max(1, -(-taken.retry_after_ms // 1000))
+                    raise RateLimited(
+                        "Rate limit reached for this organization or API key; "
+                        f"please try again in {retry_s}s.",
+                        headers={**headers, "retry-after": str(retry_s)},
+                    )
+                token_buckets = [
+                    (c[0], c[1], min(c[2], c[1])) for c, k in zip(checks, kinds, strict=True) if k == "tokens"
+                ]
+        admission = Admission(org_id, base_model, token_buckets, None, 0, headers)
+        if policy.budget_micro is not None and self.buckets is not None:
+            await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
+        return admission
+
+    async def _reserve(self, adm: Admission, limit: int, prompt_tokens: int, max_tokens: int) -> None:
+        assert self.buckets is not None
+        estimate = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, max_tokens))
+        key = month_key(adm.org_id)
+        result = await self.buckets.reserve(key, limit=limit, estimate=estimate, seed=None)
+        if result == -1:
+            seed = await self.month_spend_micro(adm.org_id)
+            result = await self.buckets.reserve(key, limit=limit, estimate=estimate, seed=seed)
+        if result == 0:
+            await self._refund_tokens(adm)
+            raise InsufficientQuota(
+                "You exceeded your current quota: the organization's monthly budget is spent.",
+                headers=adm.headers,
+            )
+        if result == 1:
+            adm.budget_key, adm.reserved_micro = key, estimate
+
+    async def _refund_tokens(self, adm: Admission) -> None:
+        if adm.token_buckets and self.buckets is not None:
+            await self.buckets.adjust([(k, cap, -taken) for k, cap, taken in adm.token_buckets])
+
+    async def settle(self, adm: Admission, prompt_tokens: int, completion_tokens: int) -> None:
+        """After the answer: charge the actual tokens and cost instead of the estimate (once)."""
+        if adm.settled or self.buckets is None:
+            return
+        adm.settled = True
+        actual = prompt_tokens + completion_tokens
+        if adm.token_buckets:
+            await self.buckets.adjust([(k, cap, actual - taken) for k, cap, taken in adm.token_buckets])
+        if adm.budget_key is not None:
+            cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
+            await self.buckets.settle(adm.budget_key, reserved=adm.reserved_micro, actual=cost)

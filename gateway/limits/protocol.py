@@ -1,0 +1,57 @@
+"""Admin API shapes for rate limits, budgets and the Stripe customer of an organisation."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import asyncpg
+from pydantic import Field
+
+from gateway.protocol import OpenAIBaseModel
+
+
+class LimitsUpdate(OpenAIBaseModel):
+    """`POST .../limits`: per-minute limits (null or absent: unlimited)."""
+
+    max_requests_per_1_minute: int | None = Field(default=None, ge=1)
+    max_tokens_per_1_minute: int | None = Field(default=None, ge=1)
+
+
+class Limits(OpenAIBaseModel):
+    object: Literal["rate_limit"] = "rate_limit"
+    organization_id: str
+    api_key_id: str | None = None
+    max_requests_per_1_minute: int | None = None
+    max_tokens_per_1_minute: int | None = None
+
+    @classmethod
+    def from_row(cls, row: asyncpg.Record) -> Limits:
+        return cls(
+            organization_id=row["organization_id"],
+            api_key_id=row["api_key_id"],
+            max_requests_per_1_minute=row["max_requests_per_1_minute"],
+            max_tokens_per_1_minute=row["max_tokens_per_1_minute"],
+        )
+
+
+class BillingUpdate(OpenAIBaseModel):
+    """`POST .../billing`: only the fields present change; null clears one."""
+
+    monthly_budget_usd: float | None = Field(default=None, ge=0)
+    stripe_customer_id: str | None = Field(default=None, max_length=255)
+
+
+class BillingSettings(OpenAIBaseModel):
+    object: Literal["organization.billing"] = "organization.billing"
+    organization_id: str
+    monthly_budget_usd: float | None = None
+    stripe_customer_id: str | None = None
+    month_to_date_usd: float | None = None
+    """Spend of the current calendar month (UTC), from recorded usage."""
+
+
+class OrgLimits(OpenAIBaseModel):
+    object: Literal["organization.limits"] = "organization.limits"
+    organization: Limits
+    api_keys: list[Limits]
+    billing: BillingSettings

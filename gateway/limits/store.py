@@ -1,0 +1,77 @@
+"""Rate limits, budgets and Stripe customers: plain SQL."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from gateway.db import Conn
+
+UPSERT_LIMITS = """
+INSERT INTO rate_limits (subject, organization_id, api_key_id, max_requests_per_1_minute,
+    max_tokens_per_1_minute)
+VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (subject) DO UPDATE SET max_requests_per_1_minute = EXCLUDED.max_requests_per_1_minute,
+    max_tokens_per_1_minute = EXCLUDED.max_tokens_per_1_minute, updated_at = now()
+RETURNING *"""
+LIMITS_OF_ORG = "SELECT * FROM rate_limits WHERE organization_id = $1"
+KEY_ORG = "SELECT organization_id FROM api_keys WHERE id = $1"
+UPSERT_BILLING = """
+INSERT INTO organization_billing (organization_id, monthly_budget_usd, stripe_customer_id)
+VALUES ($1, $2, $3)
+ON CONFLICT (organization_id) DO UPDATE SET
+    monthly_budget_usd = CASE WHEN $4 THEN EXCLUDED.monthly_budget_usd
+                              ELSE organization_billing.monthly_budget_usd END,
+    stripe_customer_id = CASE WHEN $5 THEN EXCLUDED.stripe_customer_id
+                              ELSE organization_billing.stripe_customer_id END,
+    updated_at = now()
+RETURNING *"""
+BILLING_OF_ORG = "SELECT * FROM organization_billing WHERE organization_id = $1"
+# Month-to-date usage by base model (prices are applied in Python, from the settings).
+MONTH_COMPLETIONS = """
+SELECT base_model, sum(prompt_tokens)::bigint AS prompt_tokens,
+       sum(completion_tokens)::bigint AS completion_tokens
+FROM completion_usage
+WHERE organization_id = $1 AND created_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+GROUP BY base_model"""
+MONTH_TRAINING = """
+SELECT base_model, sum(trained_tokens)::bigint AS trained_tokens,
+       sum(training_seconds)::float8 AS training_seconds
+FROM training_usage
+WHERE organization_id = $1 AND created_at >= date_trunc('month', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+GROUP BY base_model"""
+
+
+async def set_limits(
+    conn: Conn, *, org_id: str, key_id: str | None, requests: int | None, tokens: int | None
+) -> asyncpg.Record:
+    subject = f"key:{key_id}" if key_id else f"org:{org_id}"
+    return await conn.fetchrow(UPSERT_LIMITS, subject, org_id, key_id, requests, tokens)
+
+
+async def limits_of_org(conn: Conn, *, org_id: str) -> list[asyncpg.Record]:
+    return await conn.fetch(LIMITS_OF_ORG, org_id)
+
+
+async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
+    return await conn.fetchval(KEY_ORG, key_id)
+
+
+async def set_billing(
+    conn: Conn,
+    *,
+    org_id: str,
+    budget: float | None,
+    set_budget: bool,
+    customer: str | None,
+    set_customer: bool,
+) -> asyncpg.Record:
+    return await conn.fetchrow(UPSERT_BILLING, org_id, budget, customer, set_budget, set_customer)
+
+
+async def billing_of_org(conn: Conn, *, org_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(BILLING_OF_ORG, org_id)
+
+
+async def month_usage(conn: Conn, *, org_id: str) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+    """Month-to-date completion and training usage of an organisation, by base model."""
+    return await conn.fetch(MONTH_COMPLETIONS, org_id), await conn.fetch(MONTH_TRAINING, org_id)

@@ -1,0 +1,86 @@
+"""Routes `GET /v1/organization/usage/completions` and `GET /v1/organization/costs`.
+
+An organisation's keys read their own organisation's usage; the admin key reads any, naming it with the
+`organization_id` query parameter.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query
+
+from gateway.deps import ResourcesDep
+from gateway.errors import InvalidRequest
+from gateway.tenancy.keys import bearer_token
+from gateway.usage import service
+
+router = APIRouter(prefix="/v1/organization", tags=["usage"])
+
+
+async def _organization(res: ResourcesDep, authorization: str | None, organization_id: str | None) -> str:
+    token = bearer_token(authorization)
+    if res.admin_key and hmac.compare_digest(token.encode(), res.admin_key.encode()):
+        if not organization_id:
+            raise InvalidRequest("The admin key must name organization_id.", param="organization_id")
+        return organization_id
+    who = await res.auth.authenticate(token)
+    return who.organization_id  # an organisation's key sees only its own usage, whatever it asks
+
+
+@router.get("/usage/completions")
+async def usage_completions(
+    res: ResourcesDep,
+    start_time: int,
+    authorization: Annotated[str | None, Header()] = None,
+    end_time: int | None = None,
+    bucket_width: str = "1d",
+    group_by: Annotated[list[str] | None, Query(alias="group_by[]")] = None,
+    group_by_plain: Annotated[list[str] | None, Query(alias="group_by")] = None,
+    models: Annotated[list[str] | None, Query(alias="models[]")] = None,
+    api_key_ids: Annotated[list[str] | None, Query(alias="api_key_ids[]")] = None,
+    limit: int | None = None,
+    page: str | None = None,
+    organization_id: str | None = None,
+) -> dict[str, Any]:
+    org = await _organization(res, authorization, organization_id)
+    return await service.completions(
+        res.pool,
+        org,
+        start_time=start_time,
+        end_time=end_time,
+        bucket_width=bucket_width,
+        group_by=(group_by or []) + (group_by_plain or []),
+        models=models,
+        api_key_ids=api_key_ids,
+        limit=limit,
+        page=page,
+    )
+
+
+@router.get("/costs")
+async def organization_costs(
+    res: ResourcesDep,
+    start_time: int,
+    authorization: Annotated[str | None, Header()] = None,
+    end_time: int | None = None,
+    bucket_width: str = "1d",
+    group_by: Annotated[list[str] | None, Query(alias="group_by[]")] = None,
+    group_by_plain: Annotated[list[str] | None, Query(alias="group_by")] = None,
+    limit: int | None = None,
+    page: str | None = None,
+    organization_id: str | None = None,
+) -> dict[str, Any]:
+    org = await _organization(res, authorization, organization_id)
+    return await service.costs(
+        res.pool,
+        res.settings,
+        org,
+        start_time=start_time,
+        end_time=end_time,
+        bucket_width=bucket_width,
+        group_by=(group_by or []) + (group_by_plain or []),
+        limit=limit,
+        page=page,
+    )

@@ -1,0 +1,224 @@
+"""The usage and costs API in OpenAI's organisation shapes: pages of time buckets, results grouped on request.
+
+Every bucket of the requested range is listed (empty ones too, as OpenAI does); `limit` is the number of
+buckets a page holds and `page` the cursor (the start time of the next page's first bucket).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+
+from gateway.errors import InvalidRequest
+from gateway.settings import Settings
+from gateway.usage import store
+from gateway.usage.pricing import MILLION
+
+logger = logging.getLogger(__name__)
+
+WIDTHS = {"1m": timedelta(minutes=1), "1h": timedelta(hours=1), "1d": timedelta(days=1)}
+DEFAULT_LIMIT = {"1m": 60, "1h": 24, "1d": 7}
+MAX_LIMIT = {"1m": 1440, "1h": 168, "1d": 31}
+
+
+def _window(
+    start_time: int, end_time: int | None, bucket_width: str, limit: int | None, page: str | None
+) -> tuple[timedelta, datetime, datetime, datetime, int, bool]:
+    """(width, first bucket, end of this page, end of the range, buckets on this page, has_more)."""
+    if bucket_width not in WIDTHS:
+        raise InvalidRequest("bucket_width must be one of 1m, 1h, 1d.", param="bucket_width")
+    width = WIDTHS[bucket_width]
+    n = limit or DEFAULT_LIMIT[bucket_width]
+    if not 1 <= n <= MAX_LIMIT[bucket_width]:
+        raise InvalidRequest(f"limit must be between 1 and {MAX_LIMIT[bucket_width]}.", param="limit")
+    start = datetime.fromtimestamp(start_time, UTC)
+    end = datetime.fromtimestamp(end_time, UTC) if end_time else datetime.now(UTC)
+    if end <= start:
+        raise InvalidRequest("end_time must be after start_time.", param="end_time")
+    first = start
+    if page:
+        try:
+            first = datetime.fromtimestamp(int(page), UTC)
+        except ValueError:
+            raise InvalidRequest("Invalid page cursor.", param="page") from None
+        if first < start or (first - start) % width:
+            raise InvalidRequest("Invalid page cursor.", param="page")
+    page_end = min(end, first + n * width)
+    return width, first, page_end, end, n, page_end < end
+
+
+def _page(data: list[dict[str, Any]], page_end: datetime, has_more: bool) -> dict[str, Any]:
+    return {
+        "object": "page",
+        "data": data,
+        "has_more": has_more,
+        "next_page": str(int(page_end.timestamp())) if has_more else None,
+    }
+
+
+def _buckets(first: datetime, page_end: datetime, width: timedelta) -> list[dict[str, Any]]:
+    out = []
+    t = first
+    while t < page_end:
+        out.append(
+            {
+                "object": "bucket",
+                "start_time": int(t.timestamp()),
+                "end_time": int(min(t + width, page_end).timestamp()),
+                "results": [],
+            }
+        )
+        t += width
+    return out
+
+
+async def completions(
+    pool: asyncpg.Pool,
+    org_id: str,
+    *,
+    start_time: int,
+    end_time: int | None,
+    bucket_width: str,
+    group_by: list[str],
+    models: list[str] | None,
+    api_key_ids: list[str] | None,
+    limit: int | None,
+    page: str | None,
+) -> dict[str, Any]:
+    """`GET /v1/organization/usage/completions`."""
+    bad = [g for g in group_by if g not in store.GROUPABLE]
+    if bad:
+        raise InvalidRequest(f"group_by supports model and api_key_id, not {bad[0]}.", param="group_by")
+    width, first, page_end, _, _, has_more = _window(start_time, end_time, bucket_width, limit, page)
+    rows = await store.completion_buckets(
+        pool,
+        org_id=org_id,
+        width=width,
+        start=first,
+        end=page_end,
+        group_by=group_by,
+        models=models or None,
+        api_key_ids=api_key_ids or None,
+    )
+    buckets = _buckets(first, page_end, width)
+    by_start = {b["start_time"]: b for b in buckets}
+    for r in rows:
+        result: dict[str, Any] = {
+            "object": "organization.usage.completions.result",
+            "input_tokens": r["input_tokens"],
+            "output_tokens": r["output_tokens"],
+            "input_cached_tokens": 0,
+            "input_audio_tokens": 0,
+            "output_audio_tokens": 0,
+            "num_model_requests": r["num_model_requests"],
+            "project_id": None,
+            "user_id": None,
+            "api_key_id": r["api_key_id"] if "api_key_id" in group_by else None,
+            "model": r["model"] if "model" in group_by else None,
+            "batch": None,
+        }
+        by_start[int(r["bucket"].timestamp())]["results"].append(result)
+    return _page(buckets, page_end, has_more)
+
+
+async def costs(
+    pool: asyncpg.Pool,
+    settings: Settings,
+    org_id: str,
+    *,
+    start_time: int,
+    end_time: int | None,
+    bucket_width: str,
+    group_by: list[str],
+    limit: int | None,
+    page: str | None,
+) -> dict[str, Any]:
+    """`GET /v1/organization/costs`: amounts from the price table; `group_by=line_item` splits them into
+    `<base model>, input|output|training tokens|training hours`."""
+    bad = [g for g in group_by if g != "line_item"]
+    if bad:
+        raise InvalidRequest(f"group_by supports line_item, not {bad[0]}.", param="group_by")
+    width, first, page_end, _, _, has_more = _window(start_time, end_time, bucket_width, limit, page)
+    done, trained = await store.cost_inputs(pool, org_id=org_id, width=width, start=first, end=page_end)
+    lines: dict[int, dict[str, tuple[float, float, str]]] = defaultdict(dict)
+
+    def add(bucket: datetime, item: str, amount: float, quantity: float, unit: str) -> None:
+        key = int(bucket.timestamp())
+        old = lines[key].get(item, (0.0, 0.0, unit))
+        lines[key][item] = (old[0] + amount, old[1] + quantity, unit)
+
+    for r in done:
+        price = settings.price_of(r["base_model"])
+        model, prompt, completion = r["base_model"], r["prompt_tokens"], r["completion_tokens"]
+        add(r["bucket"], f"{model}, input", prompt * price.input_per_million / MILLION, prompt, "tokens")
+        add(
+            r["bucket"],
+            f"{model}, output",
+            completion * price.output_per_million / MILLION,
+            completion,
+            "tokens",
+        )
+    for r in trained:
+        price = settings.price_of(r["base_model"])
+        model, tokens = r["base_model"], r["trained_tokens"]
+        add(
+            r["bucket"],
+            f"{model}, training tokens",
+            tokens * price.training_per_million / MILLION,
+            tokens,
+            "tokens",
+        )
+        hours = r["training_seconds"] / 3600.0
+        add(
+            r["bucket"], f"{r['base_model']}, training hours", hours * price.training_per_hour, hours, "hours"
+        )
+    buckets = _buckets(first, page_end, width)
+    for b in buckets:
+        items = lines.get(b["start_time"], {})
+        if "line_item" in group_by:
+            b["results"] = [
+                {
+                    "object": "organization.costs.result",
+                    "amount": {"value": amount, "currency": "usd"},
+                    "line_item": item,
+                    "project_id": None,
+                    "quantity": quantity,
+                    "quantity_unit": unit,
+                }
+                for item, (amount, quantity, unit) in sorted(items.items())
+            ]
+        elif items:
+            total = sum(a for a, _, _ in items.values())
+            b["results"] = [
+                {
+                    "object": "organization.costs.result",
+                    "amount": {"value": total, "currency": "usd"},
+                    "line_item": None,
+                    "project_id": None,
+                }
+            ]
+    return _page(buckets, page_end, has_more)
+
+
+async def job_usage(
+    pool: asyncpg.Pool, settings: Settings, org_id: str, job_ids: list[str]
+) -> dict[str, Any]:
+    """`{job id: {trained_tokens, training_seconds, steps, cost_usd}}` for jobs with recorded progress."""
+    out: dict[str, Any] = {}
+    for r in await store.job_usage(pool, org_id=org_id, job_ids=job_ids):
+        price = settings.price_of(r["base_model"])
+        cost = (
+            r["trained_tokens"] * price.training_per_million / MILLION
+            + r["training_seconds"] / 3600.0 * price.training_per_hour
+        )
+        out[r["job_id"]] = {
+            "trained_tokens": int(r["trained_tokens"]),
+            "training_seconds": round(float(r["training_seconds"]), 3),
+            "steps": int(r["steps"]),
+            "cost_usd": round(cost, 6),
+        }
+    return out
