@@ -1,4 +1,4 @@
-"""`python -m bench [NAME ...] [--quick] [--markdown PATH]`: run benches, write the JSON report and markdown."""
+"""`python -m bench [NAME ...] [--quick] [--markdown PATH]`: run benches, write the report and summary."""
 
 from __future__ import annotations
 

@@ -151,7 +151,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
             f"| {_f(ll.get('rps'), '.0f')} | {_f(p.get('gateway_throughput_vs_litellm'), '.1f')}x "
             f"| {p['gateway_added_p50_ms']:.2f} / {p['gateway_added_p99_ms']:.2f} "
             f"| {_f(p.get('litellm_added_p50_ms'))} / {_f(p.get('litellm_added_p99_ms'))} "
-            f"| {_f(p['gateway'].get('cpu_ms_per_request'), '.3f')} / {_f(ll.get('cpu_ms_per_request'), '.3f')} "
+            f"| {_f(p['gateway'].get('cpu_ms_per_request'), '.3f')} "
+            f"/ {_f(ll.get('cpu_ms_per_request'), '.3f')} "
             f"| {p['gateway']['errors']} / {ll.get('errors', '-')} |"
         )
     return lines
