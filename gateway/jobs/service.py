@@ -13,7 +13,7 @@ import asyncpg
 import orjson
 
 from gateway.deps import Resources
-from gateway.errors import Conflict, InvalidRequest, not_found
+from gateway.errors import Conflict, InsufficientQuota, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.jobs import store
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
@@ -25,9 +25,12 @@ from gateway.jobs.validation import (
     normalise_method,
     resolve_hyperparameters,
 )
+from gateway.limits import store as limits_store
 from gateway.protocol import CursorPage
 from gateway.queue import enqueue
 from gateway.tenancy.keys import Principal
+from gateway.usage import service as usage_service
+from gateway.usage.pricing import training_cost
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ async def create(
         await _owned_file(
             res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
         )
+    await _check_budget(res, org, body.model, training["bytes"], spec.hyperparameters)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     method: dict[str, Any] = {"type": spec.type, spec.type: {"hyperparameters": spec.hyperparameters}}
     if spec.grader is not None:
@@ -165,6 +169,43 @@ async def create(
     return FineTuningJob.from_row(queued)
 
 
+async def _check_budget(
+    res: Resources, org_id: str, base_model: str, file_bytes: int, hyperparameters: dict[str, Any]
+) -> None:
+    """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget.
+
+    Trained tokens are estimated from the file (about four bytes a token) times the epochs.
+    """
+    billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
+    if billing is None or billing["monthly_budget_usd"] is None:
+        return
+    epochs = hyperparameters.get("n_epochs")
+    epochs = epochs if isinstance(epochs, int) and epochs > 0 else 1
+    estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
+    guard = res.serving.guard if res.serving is not None else None
+    if guard is None:
+        return
+    spent = await guard.month_spend_micro(org_id) / 1e6
+    if spent + estimate > billing["monthly_budget_usd"]:
+        raise InsufficientQuota(
+            f"This job's estimated cost (${estimate:.4f}) does not fit the organization's remaining monthly "
+            f"budget (${max(0.0, billing['monthly_budget_usd'] - spent):.4f}).",
+            code="insufficient_quota",
+        )
+
+
+async def _with_usage(res: Resources, org_id: str, jobs: list[FineTuningJob]) -> list[FineTuningJob]:
+    """Jobs with their training usage and cost so far (extension field `usage`)."""
+    if not jobs:
+        return jobs
+    found = await usage_service.job_usage(res.pool, res.settings, org_id, [j.id for j in jobs])
+    for job in jobs:
+        job.usage = found.get(  # type: ignore[attr-defined]  # an extension field (extra="allow")
+            job.id, {"trained_tokens": 0, "training_seconds": 0.0, "steps": 0, "cost_usd": 0.0}
+        )
+    return jobs
+
+
 def _replay(existing: asyncpg.Record, request_hash: str) -> FineTuningJob:
     if existing["request_hash"] != request_hash:
         raise Conflict(
@@ -179,7 +220,7 @@ async def get(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await store.get(res.pool, org_id=who.organization_id, job_id=job_id)
     if row is None:
         raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
-    return FineTuningJob.from_row(row)
+    return (await _with_usage(res, who.organization_id, [FineTuningJob.from_row(row)]))[0]
 
 
 async def list_jobs(
@@ -188,7 +229,8 @@ async def list_jobs(
     rows = await store.list_page(
         res.pool, org_id=who.organization_id, after=after, limit=limit + 1, metadata=metadata
     )
-    return CursorPage[FineTuningJob].of([FineTuningJob.from_row(r) for r in rows], limit)
+    jobs = await _with_usage(res, who.organization_id, [FineTuningJob.from_row(r) for r in rows])
+    return CursorPage[FineTuningJob].of(jobs, limit)
 
 
 async def _transition(res: Resources, who: Principal, job_id: str, action: str) -> asyncpg.Record:

@@ -18,6 +18,7 @@ import asyncpg
 from arq import cron
 from arq.worker import Worker
 
+from gateway.billing.outbox import run_billing
 from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
 from gateway.ids import new_id
@@ -99,7 +100,11 @@ async def _finish(run: JobRun, outcome: Any, ctx: dict[str, Any]) -> str:
         )
         return "failed"
     # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
-    released = await store.release(pool, job_id=run.job_id, worker_id=run.worker_id)
+    # The attempt's training usage is written in the same transaction that lets the job go.
+    async with pool.acquire() as conn, conn.transaction():
+        released = await store.release(conn, job_id=run.job_id, worker_id=run.worker_id)
+        if released is not None:
+            await run.record_usage(conn, released["status"])
     if released is not None and released["status"] == "running":
         await store.requeue_own(pool, job_id=run.job_id, worker_id=run.worker_id)
     if released is not None and released["status"] == "queued":
@@ -114,7 +119,10 @@ async def _hand_back(run: JobRun, ctx: dict[str, Any]) -> None:
     if run.proc is not None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(run.proc.wait(), ctx["settings"].stop_grace_s)
-    row = await store.requeue_own(ctx["pool"], job_id=run.job_id, worker_id=run.worker_id)
+    async with ctx["pool"].acquire() as conn, conn.transaction():
+        row = await store.requeue_own(conn, job_id=run.job_id, worker_id=run.worker_id)
+        if row is not None:
+            await run.record_usage(conn, "handed_back")
     if row is None:
         await store.release(ctx["pool"], job_id=run.job_id, worker_id=run.worker_id)
     else:
@@ -169,6 +177,18 @@ async def reap_stale(ctx: dict[str, Any]) -> int:
     return reaped
 
 
+async def bill(ctx: dict[str, Any]) -> dict[str, int]:
+    """Aggregate unbilled usage into the outbox and send pending meter events to Stripe."""
+    return await run_billing(ctx["pool"], ctx["settings"])
+
+
+def _billing_cron(settings: Settings) -> Any:
+    every = max(1, settings.billing_interval_s)
+    if every < 60:
+        return cron(bill, second=set(range(0, 60, every)), unique=True, timeout=300)
+    return cron(bill, minute=set(range(0, 60, max(1, every // 60))), second={0}, unique=True, timeout=300)
+
+
 def build_worker(settings: Settings) -> Worker:
     """The arq worker for these settings."""
     assert settings.redis_url
@@ -179,6 +199,7 @@ def build_worker(settings: Settings) -> Worker:
         cron_jobs=[
             cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            _billing_cron(settings),
         ],
         redis_pool=make_queue(settings.redis_url),
         queue_name=settings.queue_name,

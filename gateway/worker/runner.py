@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,13 @@ class JobRun:
         self.step: int | None = job["current_step"]
         self.proc: asyncio.subprocess.Process | None = None
         self.stop_reason: str | None = None
+        # Metering of this attempt: progress is what the trainer reported (steps, cumulative tokens), and
+        # time runs from the trainer's start to its last reported step.
+        self.started_mono: float | None = None
+        self.progress_mono: float | None = None
+        self.start_step: int = job["current_step"] or 0
+        self.tokens_seen: int | None = None
+        self.usage_recorded = False
 
     # ---- preparation -------------------------------------------------------------------------
     async def _file_path(self, file_id: str) -> Path:
@@ -161,6 +169,7 @@ class JobRun:
                 preexec_fn=_die_with_parent,
                 limit=16 * 1024 * 1024,
             )
+            self.started_mono = time.monotonic()
             beat = asyncio.create_task(self._heartbeat())
             outcome: RunOutcome | None = None
             try:
@@ -231,7 +240,10 @@ class JobRun:
         if kind == "metrics":
             step = int(event["step"])
             self.step = step
+            self.progress_mono = time.monotonic()
             data = dict(event.get("data") or {})
+            if isinstance(data.get("tokens"), int):
+                self.tokens_seen = data["tokens"]
             data.setdefault("step", step)
             data["total_steps"] = event.get("total_steps")
             self.metrics_rows.append(data)
@@ -318,6 +330,7 @@ class JobRun:
             if row is None:
                 temp.unlink(missing_ok=True)
                 return None
+            await self.record_usage(conn, "succeeded", total_tokens=int(event.get("trained_tokens") or 0))
             await store.add_result_file(
                 conn,
                 file_id=file_id,
@@ -361,7 +374,10 @@ class JobRun:
 
     async def fail(self, code: str, message: str) -> asyncpg.Record | None:
         error = {"code": code, "message": message, "param": None}
-        row = await store.fail_own(self.pool, job_id=self.job_id, worker_id=self.worker_id, error=error)
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await store.fail_own(conn, job_id=self.job_id, worker_id=self.worker_id, error=error)
+            if row is not None:
+                await self.record_usage(conn, "failed")
         if row is not None:
             await jobs_store.add_event(
                 self.pool,
@@ -372,6 +388,32 @@ class JobRun:
                 dedup_key="failed",
             )
         return row
+
+    async def record_usage(self, conn: asyncpg.Connection, outcome: str, *, total_tokens: int = 0) -> None:
+        """Write this attempt's training usage (once), in the caller's transaction.
+
+        Tokens: the trainer's cumulative count (its result, else its last metrics event) less what earlier
+        attempts already recorded; time: the trainer's start to its last reported step.
+        """
+        if self.usage_recorded:
+            return
+        self.usage_recorded = True
+        cumulative = max(total_tokens, self.tokens_seen or 0)
+        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        seconds = 0.0
+        if self.started_mono is not None and self.progress_mono is not None:
+            seconds = max(0.0, self.progress_mono - self.started_mono)
+        await store.add_training_usage(
+            conn,
+            org_id=self.org_id,
+            job_id=self.job_id,
+            base_model=self.job["model"],
+            method=self.job["method"]["type"],
+            trained_tokens=max(0, cumulative - earlier),
+            steps=max(0, (self.step or 0) - self.start_step),
+            seconds=seconds,
+            outcome=outcome,
+        )
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

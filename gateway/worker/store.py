@@ -71,6 +71,11 @@ WHERE id = $1 AND worker_id = $2 RETURNING *"""
 FAIL_STALE = """
 UPDATE fine_tuning_jobs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
 WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+INSERT_TRAINING_USAGE = """
+INSERT INTO training_usage (organization_id, job_id, base_model, method, trained_tokens, steps,
+    training_seconds, outcome)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"""
+RECORDED_TOKENS = "SELECT coalesce(sum(trained_tokens), 0)::bigint FROM training_usage WHERE job_id = $1"
 INSERT_RESULT_FILE = """
 INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status, blob_key)
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
@@ -141,3 +146,26 @@ async def add_result_file(
     conn: Conn, *, file_id: str, org_id: str, filename: str, size: int, sha256: str, blob_key: str
 ) -> None:
     await conn.execute(INSERT_RESULT_FILE, file_id, org_id, filename, size, sha256, blob_key)
+
+
+async def add_training_usage(
+    conn: Conn,
+    *,
+    org_id: str,
+    job_id: str,
+    base_model: str,
+    method: str,
+    trained_tokens: int,
+    steps: int,
+    seconds: float,
+    outcome: str,
+) -> None:
+    """One trainer attempt's progress (call in the transaction that changes the job's state)."""
+    await conn.execute(
+        INSERT_TRAINING_USAGE, org_id, job_id, base_model, method, trained_tokens, steps, seconds, outcome
+    )
+
+
+async def recorded_tokens(conn: Conn, *, job_id: str) -> int:
+    """Trained tokens already metered for a job (earlier attempts)."""
+    return int(await conn.fetchval(RECORDED_TOKENS, job_id))
