@@ -41,7 +41,7 @@ def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = 8) -> 
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0.0, 0.5)
-        model.save_pretrained(path)
+        model.save_pretrained(str(path))
     return paths
 
 

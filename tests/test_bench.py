@@ -1,0 +1,96 @@
+"""Smoke test of `python -m bench`: every bench runs in quick mode and its report has numbers and ratios.
+
+Values are never asserted (no timed assertions): only that each figure exists and is a finite number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.registry import BENCHES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    names = [n for n in BENCHES if n != "metering"]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            *names,
+            "--quick",
+            "--results-dir",
+            str(out),
+            "--markdown",
+            str(out / "B.md"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert (out / "latest.json").exists(), proc.stderr[-3000:]
+    data: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    data["_markdown"] = (out / "B.md").read_text()
+    return data
+
+
+def test_report_names_the_machine(report: dict[str, Any]) -> None:
+    m = report["machine"]
+    assert m["cpu_model"] and m["cores"] >= 1 and m["python"]
+    assert m["versions"]["torch"] and report["quick"] is True
+    assert "## " in report["_markdown"] and m["cpu_model"] in report["_markdown"]
+
+
+def test_gateway_bench_pairs_every_point(report: dict[str, Any]) -> None:
+    g = report["benches"]["gateway"]
+    assert "error" not in g, g.get("traceback")
+    assert [p["connections"] for p in g["points"]] == [1, 32]
+    for p in g["points"]:
+        for side in ("direct", "gateway"):
+            assert p[side]["requests"] > 0 and _number(p[side]["rps"]) and _number(p[side]["p99_ms"])
+        assert _number(p["gateway"]["cpu_ms_per_request"])
+        assert _number(p["gateway_added_p50_ms"]) and _number(p["gateway_throughput_vs_direct"])
+        if "litellm" in p:
+            assert _number(p["gateway_throughput_vs_litellm"])
+
+
+def test_streaming_bench_measures_ttft_both_ways(report: dict[str, Any]) -> None:
+    s = report["benches"]["streaming"]
+    assert "error" not in s, s.get("traceback")
+    assert s["direct_ttft"]["n"] == s["gateway_ttft"]["n"] == s["requests"]
+    assert _number(s["added_ttft_p50_ms"]) and _number(s["ttft_ratio_p50"])
+
+
+def test_adapters_bench_compares_with_the_base_model(report: dict[str, Any]) -> None:
+    a = report["benches"]["adapters"]
+    assert "error" not in a, a.get("traceback")
+    assert a["cold_load_s"] > 0 and _number(a["cold_first_token_ms"])
+    assert a["base"]["tokens"] > 0
+    assert [p["distinct_models"] for p in a["points"]] == [1, 4]
+    assert all(_number(p["vs_base"]) and p["tokens"] > 0 for p in a["points"])
+
+
+def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
+    s = report["benches"]["sandbox"]
+    assert "error" not in s, s.get("traceback")
+    for p in s["points"]:
+        assert p["calls"]["sandbox"] > 0 and p["calls"]["in_process"] > 0
+        assert _number(p["sandbox_vs_in_process"]) and p["same_rewards"] is True
