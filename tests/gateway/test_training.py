@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tests.support.stack import GatewayServer, Tenant, WorkerProcess
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, WorkerProcess, make_settings
 
 pytestmark = pytest.mark.slow
 
@@ -194,20 +194,34 @@ def test_reinforcement_job_learns(stack: GatewayServer, worker: WorkerProcess, t
     _assert_adapter_trained(stack, tenant, job.id)
 
 
-def test_failing_trainer_fails_the_job(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
-    grader = {"type": "python", "name": "py", "source": "def grade(sample, item):\n    return 1.0\n"}
-    job = tenant.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload(tenant, RFT),
-        method={
-            "type": "reinforcement",
-            "reinforcement": {"grader": grader, "hyperparameters": {"max_steps": 2}},
-        },
+def test_failing_trainer_fails_the_job(services: Services, database: str, tmp_path: Path) -> None:
+    """A node whose base model folder is broken: the trainer fails, the job reports it in one line."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    settings = make_settings(
+        data_dir=tmp_path / "data", database_url=database, redis_url=services.redis_url, tiny_model=broken
     )
-    done = wait_for(tenant, job.id, ("succeeded", "failed"))
+    gateway = GatewayServer(settings).start()
+    worker = WorkerProcess(settings, tmp_path / "worker.log")
+    try:
+        assert settings.admin_key is not None
+        t = Admin(gateway.url, settings.admin_key.get_secret_value()).tenant("broken-node")
+        job = t.client.fine_tuning.jobs.create(
+            model="tiny-chat",
+            training_file=upload(t, SFT),
+            method={"type": "supervised", "supervised": {"hyperparameters": {"max_steps": 2}}},
+        )
+        done = wait_for(t, job.id, ("succeeded", "failed"))
+        events = all_events(t, job.id)
+    finally:
+        worker.stop()
+        gateway.stop()
     assert done.status == "failed" and done.error is not None
-    assert done.error.code and "\n" not in done.error.message and "Traceback" not in done.error.message
+    assert done.error.code == "invalid_model", done.error
+    assert "\n" not in done.error.message and "Traceback" not in done.error.message
     assert trainer_processes(job.id) == []
+    assert any(e.level == "error" and e.message.startswith("Job failed") for e in events)
 
 
 def _long_sft(t: Tenant, steps: int = 400) -> Any:
