@@ -203,7 +203,7 @@ def quickstart(
     ),
     base_url: BaseUrlOpt = None,
     keep_running: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
-    steps: Annotated[int, typer.Option(help="GRPO steps of the quickstart job.")] = 20,
+    steps: Annotated[int, typer.Option(help="GRPO steps of the quickstart job.")] = 40,
     engine_port: Annotated[int | None, typer.Option(help="Engine port of a stack started here.")] = None,
 ) -> None:
     """Start the stack (unless one answers), train `tiny-chat` with RL on the example environment, chat

@@ -250,7 +250,7 @@ def run_tour(
     report: QuickstartReport,
     *,
     env_dir: Path = EXAMPLE_ENV,
-    steps: int = 20,
+    steps: int = 40,
     job_timeout_s: float = 600.0,
 ) -> QuickstartReport:
     """Upload, train (environment first, grader if that fails), compare answers and draw the curve."""
@@ -327,7 +327,7 @@ def run_quickstart(
     console: Console,
     base_url: str,
     keep_running: bool = False,
-    steps: int = 20,
+    steps: int = 40,
     engine_port: int | None = None,
     env_dir: Path = EXAMPLE_ENV,
 ) -> QuickstartReport:
@@ -363,9 +363,9 @@ def run_quickstart(
         console.print(f"organisation {report.org_id} and a key made with the admin API", highlight=False)
         client = openai.OpenAI(base_url=base_url, api_key=report.api_key, timeout=120, max_retries=2)
         run_tour(client, console, report, env_dir=env_dir, steps=steps)
-        print_summary(console, report, keep_running)
-        return report
     finally:
         if stack is not None and not keep_running:
             console.print("stopping the stack ...", highlight=False)
             stack.stop()
+    print_summary(console, report, keep_running)
+    return report
