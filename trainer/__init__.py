@@ -4,7 +4,7 @@
   adapter on a Hugging Face base model (``trainer.run.main``, spec in ``trainer.config.TrainerSpec``, events
   in ``trainer.events``).
 - ``python -m trainer make-tiny DIR``: the tiny offline chat model (``trainer.tiny.make_tiny_model``).
-- ``trainer.graders``: OpenAI graders (``validate_grader``, ``grade``), importable without torch.
+- ``trainer.rewards``: TRL reward functions from OpenAI graders (``envsdk.graders``) and environments.
 
 Nothing here knows about Postgres or Redis; the only package it may import is ``envsdk``.
 """

@@ -135,7 +135,7 @@ class TrainerSpec:
     hyperparameters: Hyperparameters = field(default_factory=Hyperparameters)
     """Resolved hyperparameters."""
     grader: dict[str, Any] | None = None
-    """Reinforcement: an OpenAI grader (see ``trainer.graders``)."""
+    """Reinforcement: an OpenAI grader (see ``envsdk.graders``)."""
     environment: dict[str, Any] | None = None
     """Reinforcement: ``{"package_dir": str, "config": {...}}`` for an uploaded environment package."""
     inference_base_url: str | None = None
@@ -144,6 +144,8 @@ class TrainerSpec:
     """Bearer key for ``inference_base_url``."""
     use_vllm: bool = False
     """Reinforcement on CUDA: generate with vLLM (colocated). Ignored on a CPU."""
+    allow_unsandboxed: bool = False
+    """Development only: run environment and python-grader code without a sandbox where none works."""
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -199,6 +201,7 @@ class TrainerSpec:
             inference_base_url=data.get("inference_base_url"),
             inference_api_key=data.get("inference_api_key"),
             use_vllm=bool(data.get("use_vllm", False)),
+            allow_unsandboxed=bool(data.get("allow_unsandboxed", False)),
         )
         if spec.method == "reinforcement" and spec.grader is None and spec.environment is None:
             raise TrainerError("invalid_spec", "reinforcement needs a grader or an environment")

@@ -7,7 +7,7 @@ class TrainerError(Exception):
     """A job failure the trainer can name.
 
     Codes in use: ``invalid_spec``, ``invalid_training_file``, ``invalid_validation_file``, ``invalid_model``,
-    ``invalid_checkpoint``, ``grader_error``, ``python_grader_unsupported``, ``environment_unsupported``,
+    ``invalid_checkpoint``, ``grader_error``, ``environment_error``,
     ``out_of_memory``, ``trainer_error`` (anything unexpected).
     """
 

@@ -1,11 +1,12 @@
-"""Reward functions for GRPO: an OpenAI grader wrapped in TRL's reward-function signature, and the hook
-for environment packages.
+"""Reward functions for GRPO: an OpenAI grader wrapped in TRL's reward-function signature, and the
+environment package's reward (``trainer.environment``).
 
 TRL calls ``reward(prompts, completions, completion_ids, trainer_state, log_extra, log_metric,
 **dataset_columns) -> list[float]``. Each completion becomes a grader ``sample`` and its dataset row (the
 original JSON row, kept in ``ITEM_COLUMN``) the grader's ``item``. Grading failures score 0 and are counted
 in the ``grader_error_rate`` metric, so a broken template shows up in the job's events instead of silently
-flattening the rewards.
+flattening the rewards. ``python`` graders run in the sandbox (``envsdk.python_grader``), one process per
+grader source for the whole job.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import logging
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from envsdk.graders import GraderError, GradeResult, grade, make_sample, validate_grader
+from envsdk.inference_client import InferenceClient
+from envsdk.python_grader import PythonGraders
 from trainer.config import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
-from trainer.graders import GraderError, GradeResult, grade, make_sample, validate_grader
-from trainer.inference_client import InferenceClient
+
+if TYPE_CHECKING:
+    from trainer.environment import EnvironmentSession
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +71,15 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
     try:
         validate_grader(grader)
     except GraderError as exc:
-        code = exc.code if exc.code == "python_grader_unsupported" else "grader_error"
         where = f" ({exc.param})" if exc.param else ""
-        raise TrainerError(code, f"invalid grader{where}: {exc.message}") from None
+        raise TrainerError("grader_error", f"invalid grader{where}: {exc.message}") from None
     inference: InferenceClient | None = None
     if _uses_model(grader):
         if not spec.inference_base_url:
             raise TrainerError("grader_error", "model graders need inference_base_url in the spec")
         inference = InferenceClient(spec.inference_base_url, spec.inference_api_key)
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="grader") if inference else None
+    python = PythonGraders(allow_unsandboxed=spec.allow_unsandboxed)
 
     def reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         items_json = kwargs.get(ITEM_COLUMN) or ["{}"] * len(completions)
@@ -82,7 +87,7 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
         samples = [completion_sample(c) for c in completions]
 
         def one(i: int) -> GradeResult:
-            return grade(grader, samples[i], items[i], inference=inference)
+            return grade(grader, samples[i], items[i], inference=inference, python=python)
 
         results = list(pool.map(one, range(len(samples)))) if pool else [one(i) for i in range(len(samples))]
         failed = [r for r in results if r.failed]
@@ -99,23 +104,16 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
     return reward
 
 
-def build_environment_reward(spec: TrainerSpec) -> RewardFunc:
-    """Reward from an uploaded environment package (``spec.environment``).
+def build_reward_funcs(spec: TrainerSpec, session: EnvironmentSession | None = None) -> list[RewardFunc]:
+    """All reward functions of a reinforcement job (the environment's first, then the grader).
 
-    The sandboxed runner comes from ``envsdk``; until it offers one, jobs with an environment fail with
-    ``environment_unsupported``. This is the single place to connect it.
+    ``session`` is the job's running environment (required when ``spec.environment`` is set).
     """
-    raise TrainerError(
-        "environment_unsupported",
-        "environment packages are not supported by this trainer yet; use a grader instead",
-    )
-
-
-def build_reward_funcs(spec: TrainerSpec) -> list[RewardFunc]:
-    """All reward functions of a reinforcement job (environment first, then the grader)."""
     funcs: list[RewardFunc] = []
     if spec.environment is not None:
-        funcs.append(build_environment_reward(spec))
+        if session is None:
+            raise TrainerError("invalid_spec", "an environment job needs its environment session")
+        funcs.append(session.episode_reward_func() if session.multi_turn else session.reward_func())
     if spec.grader is not None:
         funcs.append(build_grader_reward(spec))
     return funcs

@@ -1,8 +1,8 @@
 """One training job: spec in, events out. ``main(spec, events, stop_requested)`` is the whole process.
 
-supervised -> TRL ``SFTTrainer``; dpo -> ``DPOTrainer``; reinforcement -> ``GRPOTrainer`` with grader
-rewards. All three train a LoRA adapter (``build_lora_config``) on the base model. On a CPU: float32,
-``use_cpu=True``, no gradient checkpointing; on CUDA: bf16 and, for reinforcement, vLLM when asked.
+supervised -> TRL ``SFTTrainer``; dpo -> ``DPOTrainer``; reinforcement -> ``GRPOTrainer`` with grader or
+environment rewards. All three train a LoRA adapter (``build_lora_config``) on the base model. On a CPU:
+float32, ``use_cpu=True``, no gradient checkpointing; on CUDA: bf16 and, for reinforcement, vLLM when asked.
 Checkpoints land in ``output_dir/checkpoints/checkpoint-N`` (adapter files plus optimiser, scheduler and RNG
 state, so they both serve and resume); the final adapter in ``output_dir/adapter``.
 """
@@ -13,11 +13,14 @@ import json
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import Hyperparameters, TrainerSpec
 from trainer.errors import TrainerError
 from trainer.events import EventWriter
+
+if TYPE_CHECKING:
+    from trainer.environment import EnvironmentSession
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +78,15 @@ def _check_resume(path: str | None) -> int:
         raise TrainerError("invalid_checkpoint", f"{path} is not a resumable checkpoint") from None
 
 
-def _build_trainer(spec: TrainerSpec, model: Any, tokenizer: Any, train_ds: Any, eval_ds: Any, on_cuda: bool):
+def _build_trainer(
+    spec: TrainerSpec,
+    model: Any,
+    tokenizer: Any,
+    train_ds: Any,
+    eval_ds: Any,
+    on_cuda: bool,
+    session: EnvironmentSession | None = None,
+):
     hp = spec.hyperparameters
     args = _common_args(spec, on_cuda)
     peft_config = build_lora_config(hp)
@@ -120,7 +131,7 @@ def _build_trainer(spec: TrainerSpec, model: Any, tokenizer: Any, train_ds: Any,
 
     from trainer.rewards import build_reward_funcs
 
-    reward_funcs: list[Any] = list(build_reward_funcs(spec))
+    reward_funcs: list[Any] = list(build_reward_funcs(spec, session))
     vllm: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"} if (spec.use_vllm and on_cuda) else {}
     grpo_config = GRPOConfig(
         **args,
@@ -133,6 +144,19 @@ def _build_trainer(spec: TrainerSpec, model: Any, tokenizer: Any, train_ds: Any,
         beta=hp.kl_beta,
         remove_unused_columns=False,
     )
+    if session is not None and session.multi_turn:
+        from trainer.environment import environment_trainer_class
+
+        trainer_cls = environment_trainer_class()
+        return trainer_cls(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=grpo_config,
+            train_dataset=train_ds,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+            rollout_func=session.rollout_func(hp.max_completion_length, hp.temperature),
+        )
     return GRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
@@ -154,10 +178,35 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
     eval_ds = None
     if spec.validation_file:
         eval_ds = load_dataset(spec.method, spec.validation_file, code="invalid_validation_file")
+    session: EnvironmentSession | None = None
     if spec.method == "reinforcement":
         from trainer.rewards import build_reward_funcs
 
-        build_reward_funcs(spec)  # fail on a bad grader before loading the model
+        if spec.environment is not None:
+            from trainer.environment import EnvironmentSession
+
+            session = EnvironmentSession(spec)  # a package that does not start fails before the model loads
+            events.message(
+                f"Environment {session.name} ({session.kind}) started in its sandbox "
+                f"({session.sandbox.backend})"
+            )
+        build_reward_funcs(spec, session)  # fail on a bad grader before loading the model
+    try:
+        return _train(spec, events, stop_requested, train_ds, eval_ds, resume_step, session)
+    finally:
+        if session is not None:
+            session.close()
+
+
+def _train(
+    spec: TrainerSpec,
+    events: EventWriter,
+    stop_requested: threading.Event,
+    train_ds: Any,
+    eval_ds: Any,
+    resume_step: int,
+    session: EnvironmentSession | None,
+) -> int:
     events.message(f"Validated {len(train_ds)} training examples for {spec.method} job {spec.job_id}")
 
     import torch
@@ -183,7 +232,7 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
     n_params = sum(p.numel() for p in model.parameters())
     events.message(f"Loaded model {Path(spec.base_model).name} ({n_params:,} parameters) on {model.device}")
 
-    trainer = _build_trainer(spec, model, tokenizer, train_ds, eval_ds, on_cuda)
+    trainer = _build_trainer(spec, model, tokenizer, train_ds, eval_ds, on_cuda, session)
     callback = EventCallback(
         events,
         stop_requested=stop_requested,

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from trainer.graders import GraderError, grade, make_sample, render_template, validate_grader
-from trainer.inference_client import InferenceClient
+from envsdk.graders import GraderError, grade, make_sample, render_template, validate_grader
+from envsdk.inference_client import InferenceClient
+from envsdk.python_grader import PythonGraders
 
 ITEM = {"answer": "Paris", "nested": {"list": [1, "two"]}, "n": 3}
 
@@ -39,7 +40,11 @@ def sim(metric: str, reference: str = "the cat sat on the mat", name: str = "sim
 
 
 def test_graders_import_without_torch() -> None:
-    code = "import sys, trainer.graders, trainer.rewards; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, envsdk, envsdk.graders, trainer.rewards\n"
+        "for mod in ('torch', 'rapidfuzz', 'sacrebleu', 'rouge_score', 'simpleeval', 'httpx'):\n"
+        "    assert mod not in sys.modules, mod + ' imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -102,12 +107,39 @@ def test_refused_metrics(metric: str, code: str) -> None:
     assert err.value.code == code and err.value.param == "grader.evaluation_metric"
 
 
-def test_python_grader_refused() -> None:
-    with pytest.raises(GraderError) as err:
-        validate_grader(
-            {"type": "python", "name": "p", "source": "def grade(sample, item):\n    return 1.0\n"}
+def python_grader(source: str) -> dict[str, Any]:
+    return {"type": "python", "name": "p", "source": source}
+
+
+def test_python_grader_runs_in_the_sandbox() -> None:
+    source = (
+        "import os\n"
+        "def grade(sample, item):\n"
+        "    assert os.getuid() != 0 and os.getpid() < 10, 'not sandboxed'\n"
+        "    return 1.0 if sample['output_text'] == item['answer'] else 0.25\n"
+    )
+    validate_grader(python_grader(source))
+    with PythonGraders() as sandboxes:
+        assert grade(python_grader(source), "Paris", ITEM, python=sandboxes).reward == 1.0
+        assert grade(python_grader(source), "Rome", ITEM, python=sandboxes).reward == 0.25
+        inside = grade(python_grader("import os\ndef grade(s, i):\n    return os.getuid()\n"), "x", ITEM)
+    assert inside.reward >= 200_000 and not inside.failed  # the sandbox's own uid, never the caller's
+
+
+def test_python_grader_failures_are_data() -> None:
+    raising = grade(python_grader("def grade(sample, item):\n    raise KeyError('answer')\n"), "x", ITEM)
+    assert raising.reward == 0.0 and raising.errors["python_grader_runtime_error"]
+    assert "KeyError" in raising.errors["python_grader_runtime_error_details"]
+    with PythonGraders(timeout_s=1.0) as sandboxes:
+        loop = grade(
+            python_grader("def grade(s, i):\n    while True:\n        pass\n"), "x", ITEM, python=sandboxes
         )
-    assert err.value.code == "python_grader_unsupported"
+    assert loop.reward == 0.0 and loop.errors["python_grader_runtime_error"]
+    assert "timeout" in loop.errors["python_grader_runtime_error_details"]
+    for source, message in [("def grade(:", "not valid Python"), ("x = 1", "grade(sample, item)")]:
+        with pytest.raises(GraderError) as err:
+            validate_grader(python_grader(source))
+        assert err.value.param == "grader.source" and message in err.value.message
 
 
 def test_multi_with_formula() -> None:
@@ -177,7 +209,7 @@ def test_unsafe_or_bad_formula_refused(formula: str) -> None:
         ),
         (
             {"type": "multi", "graders": {"a": {"type": "python", "source": ""}}, "calculate_output": "a"},
-            "grader.graders.a.type",
+            "grader.graders.a.source",
         ),
     ],
 )

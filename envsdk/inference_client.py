@@ -1,17 +1,18 @@
 """A small synchronous client for OpenAI-compatible chat completions, used by model graders.
 
 Model graders (``score_model``, ``label_model``) ask a served model for a judgement. The trainer points this
-client at ``inference_base_url`` from its spec; the gateway may pass its own instance. ``httpx`` only, no
-torch, so the graders stay importable by the control plane.
+client at ``inference_base_url`` from its spec; the gateway points it at the base model's engine. ``httpx``
+only (imported when a client is made), no torch, so the graders stay importable by the control plane.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class InferenceClient:
         max_retries: int = 2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        import httpx
+
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.max_retries = max_retries
@@ -66,6 +69,8 @@ class InferenceClient:
     def chat(self, model: str, messages: list[dict[str, Any]], **sampling: Any) -> ChatReply:
         """Ask ``model`` for one completion; sampling params (``temperature``, ``max_completion_tokens``...)
         are passed through. Retries connection errors and 5xx/429 answers ``max_retries`` times."""
+        import httpx
+
         body: dict[str, Any] = {"model": model, "messages": messages, **sampling}
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):

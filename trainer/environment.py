@@ -1,0 +1,417 @@
+"""Reinforcement learning on an uploaded environment package, played in its sandbox.
+
+``spec.environment = {"package_dir": DIR, "config": {...}}`` names an extracted package (the worker unpacks
+the upload with ``envsdk.archive.safe_extract``). :class:`EnvironmentSession` owns its
+:class:`envsdk.Sandbox` (restarted after a crash or a timeout) and gives the trainer:
+
+* single-turn packages: :meth:`EnvironmentSession.reward_func`, a TRL reward function that sends the whole
+  generation batch to the sandbox in one ``reward_batch`` call (or one ``group_reward`` call per prompt
+  when the package says it judges groups);
+* multi-turn and tool packages: :meth:`EnvironmentSession.rollout_func`, TRL's ``rollout_func`` playing
+  every episode ``reset -> generate -> step ...`` until the environment is done, ``max_turns`` or
+  ``max_completion_length`` (which covers the whole episode). Turns are token concatenations; the tokens of
+  the environment's messages (user replies, tool results) get ``env_mask`` 0 so only the model's own tokens
+  carry loss. Tool calls are parsed from the model's ``<tool_call>`` blocks and executed by the
+  environment's ``step`` inside the sandbox. The episode's total reward reaches GRPO through
+  :meth:`EnvironmentSession.episode_reward_func`.
+
+Failures are data: an item or an episode that raises scores 0 and is counted (``episode_failures``);
+the job goes on. When every call of :data:`FAIL_AFTER` batches in a row failed, the environment is broken
+and the job fails with ``environment_error`` naming the last cause. Episode metrics (``turns_mean``,
+``tool_calls_mean``, ``episode_failures``) join the job's ``metrics`` events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envsdk.errors import EnvSDKError, SandboxError
+from envsdk.graders import parse_tool_calls
+from trainer.config import TrainerSpec
+from trainer.data import ITEM_COLUMN
+from trainer.errors import TrainerError
+
+logger = logging.getLogger(__name__)
+
+FAIL_AFTER = 3
+"""Consecutive batches in which every call failed before the job fails with ``environment_error``."""
+MULTI_TURN_KINDS = ("multi_turn", "tool")
+
+
+@dataclass
+class Episode:
+    """One episode being played by :meth:`EnvironmentSession.rollout_func`."""
+
+    task: dict[str, Any]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    episode_id: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    completion_ids: list[int] = field(default_factory=list)
+    env_mask: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    done: bool = False
+    error: str | None = None
+
+
+class EnvironmentSession:
+    """The job's environment package, running in its sandbox for the whole job."""
+
+    def __init__(self, spec: TrainerSpec) -> None:
+        env = spec.environment or {}
+        package_dir = env.get("package_dir")
+        if not isinstance(package_dir, str) or not package_dir:
+            raise TrainerError("invalid_spec", "environment.package_dir is required")
+        config = env.get("config") or {}
+        if not isinstance(config, dict):
+            raise TrainerError("invalid_spec", "environment.config must be an object")
+        from envsdk.sandbox import Sandbox
+
+        try:
+            self.sandbox = Sandbox(Path(package_dir), config=config, allow_unsandboxed=spec.allow_unsandboxed)
+            self.info: dict[str, Any] = self.sandbox.start()
+        except EnvSDKError as exc:
+            raise TrainerError("environment_error", f"the environment did not start: {exc.message}") from None
+        self.kind = str(self.info.get("kind") or "")
+        if self.kind not in ("single_turn", *MULTI_TURN_KINDS):
+            raise TrainerError("environment_error", f"unknown environment kind {self.kind!r}")
+        turns = [t for t in (self.info.get("max_turns"), self.sandbox.limits.max_turns) if isinstance(t, int)]
+        self.max_turns = max(1, min(turns)) if turns else 8
+        self.uses_group_reward = bool(self.info.get("group_reward"))
+        self.name = self.sandbox.manifest.name
+        self._failed_batches = 0
+        self.last_error: str | None = None
+        logger.info("environment %s (%s) started: %s", self.name, self.kind, self.info)
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.kind in MULTI_TURN_KINDS
+
+    def close(self) -> None:
+        self.sandbox.close()
+
+    # -- calls and failure accounting ------------------------------------------------------------
+    def _call(self, method: str, params: dict[str, Any]) -> Any:
+        """One sandbox call; a dead sandbox is restarted before the next call."""
+        if self.sandbox._proc is None:
+            try:
+                self.sandbox.start()
+            except SandboxError as exc:
+                raise SandboxError(exc.code, f"restart failed: {exc.message}") from None
+        return self.sandbox.call(method, params)
+
+    def _batch_done(self, calls: int, failures: int, error: str | None) -> None:
+        """Count a batch; ``environment_error`` after ``FAIL_AFTER`` batches of nothing but failures."""
+        if error:
+            self.last_error = error
+        if calls > 0 and failures >= calls:
+            self._failed_batches += 1
+            logger.warning("environment %s: every call of the batch failed: %s", self.name, error)
+            if self._failed_batches >= FAIL_AFTER:
+                raise TrainerError(
+                    "environment_error",
+                    f"environment {self.name} failed every call in {FAIL_AFTER} batches in a row; "
+                    f"last error: {self.last_error}",
+                )
+        else:
+            self._failed_batches = 0
+
+    # -- single turn ---------------------------------------------------------------------------------
+    def reward_func(self) -> Callable[..., list[float | None]]:
+        """TRL reward function of a single-turn package."""
+
+        def environment(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+            tasks = _tasks(kwargs, len(completions))
+            payload = [_completion_payload(c) for c in completions]
+            results: list[dict[str, Any]]
+            try:
+                if self.uses_group_reward:
+                    results = self._group_rewards(tasks, payload)
+                else:
+                    items = [{"task": t, "completion": c} for t, c in zip(tasks, payload, strict=True)]
+                    results = self._call("reward_batch", {"items": items})
+            except SandboxError as exc:
+                results = [{"reward": None, "error": f"{exc.code}: {exc.message}"}] * len(completions)
+            failures = [r for r in results if r.get("reward") is None]
+            error = next((str(r.get("error")) for r in failures), None)
+            _log(kwargs, "episode_failures", float(len(failures)))
+            self._batch_done(len(results), len(failures), error)
+            return [float(r["reward"]) if r.get("reward") is not None else 0.0 for r in results]
+
+        return environment
+
+    def _group_rewards(self, tasks: list[dict[str, Any]], completions: list[Any]) -> list[dict[str, Any]]:
+        """``group_reward`` once per run of equal tasks (GRPO's groups are consecutive)."""
+        results: list[dict[str, Any]] = []
+        start = 0
+        while start < len(tasks):
+            end = start + 1
+            while end < len(tasks) and tasks[end] == tasks[start]:
+                end += 1
+            results += self._call(
+                "group_reward", {"task": tasks[start], "completions": completions[start:end]}
+            )
+            start = end
+        return results
+
+    # -- multi turn ----------------------------------------------------------------------------------
+    def episode_reward_func(self) -> Callable[..., list[float | None]]:
+        """TRL reward function reading the episode results that :meth:`rollout_func` returned."""
+
+        def environment(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+            rewards = kwargs.get("env_reward") or [0.0] * len(completions)
+            return [float(r) if r is not None else 0.0 for r in rewards]
+
+        return environment
+
+    def rollout_func(
+        self, hp_max_completion_length: int, temperature: float
+    ) -> Callable[..., dict[str, Any]]:
+        """TRL ``rollout_func``: plays one episode per prompt (prompts arrive repeated per generation)."""
+
+        def rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+            inputs = getattr(trainer, "tunegate_inputs", None) or []
+            tasks = [_row(x) for x in inputs] if len(inputs) == len(prompts) else [{} for _ in prompts]
+            for task, prompt in zip(tasks, prompts, strict=True):
+                task.setdefault("messages", prompt)
+            episodes = self.play(trainer, tasks, hp_max_completion_length, temperature)
+            failures = [e for e in episodes if e.error]
+            n = max(len(episodes), 1)
+            trainer._log_metric("turns_mean", sum(e.turns for e in episodes) / n)
+            trainer._log_metric("tool_calls_mean", sum(e.tool_calls for e in episodes) / n)
+            trainer._log_metric("episode_failures", float(len(failures)))
+            self._batch_done(len(episodes), len(failures), next((e.error for e in failures), None))
+            return {
+                "prompt_ids": [e.prompt_ids for e in episodes],
+                "completion_ids": [e.completion_ids for e in episodes],
+                "logprobs": None,
+                "env_mask": [e.env_mask for e in episodes],
+                "env_reward": [0.0 if e.error else e.reward for e in episodes],
+            }
+
+        return rollout
+
+    def play(
+        self, trainer: Any, tasks: list[dict[str, Any]], budget: int, temperature: float
+    ) -> list[Episode]:
+        """Play one episode per task with the trainer's current policy; never raises for env failures."""
+        tokenizer = trainer.processing_class
+        episodes = [Episode(task=t) for t in tasks]
+        for ep in episodes:
+            try:
+                opened = self._call("reset", {"task": ep.task})
+                ep.episode_id = str(opened["episode_id"])
+                ep.messages = list(opened.get("observation") or [])
+                if not ep.messages:
+                    raise ValueError("reset returned no messages")
+                ep.prompt_ids = _template_ids(tokenizer, ep.messages, opened.get("tools") or None)
+            except (SandboxError, ValueError, KeyError, TypeError) as exc:
+                ep.error = f"reset failed: {exc}"
+                ep.done = True
+                ep.prompt_ids = _template_ids(tokenizer, list(ep.task.get("messages") or []), None)
+        for _ in range(self.max_turns):
+            active = [ep for ep in episodes if not ep.done]
+            if not active:
+                break
+            generated = _generate(
+                trainer,
+                [ep.prompt_ids + ep.completion_ids for ep in active],
+                [budget - len(ep.completion_ids) for ep in active],
+                temperature,
+            )
+            for ep, ids in zip(active, generated, strict=True):
+                self._advance(ep, ids, budget, tokenizer)
+        for ep in episodes:
+            if not ep.done and ep.episode_id is not None:
+                self._close_episode(ep)
+            if not ep.completion_ids:  # TRL needs at least one completion token
+                ep.completion_ids = [tokenizer.eos_token_id]
+                ep.env_mask = [0]
+        return episodes
+
+    def _advance(self, ep: Episode, ids: list[int], budget: int, tokenizer: Any) -> None:
+        """Add one model turn to the episode and answer it with the environment's ``step``."""
+        ep.completion_ids += ids
+        ep.env_mask += [1] * len(ids)
+        ep.turns += 1
+        finished = bool(ids) and ids[-1] in _stop_ids(tokenizer)
+        assistant = _assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
+        ep.messages.append(assistant)
+        if not finished:  # ran out of completion budget mid-turn: the episode is truncated
+            ep.done = True
+            self._close_episode(ep)
+            return
+        try:
+            step = self._call("step", {"episode_id": ep.episode_id, "assistant_message": assistant})
+        except SandboxError as exc:
+            ep.error, ep.done = f"{exc.code}: {exc.message}", True
+            return
+        ep.tool_calls += len(assistant.get("tool_calls") or [])
+        ep.reward += float(step.get("reward") or 0.0)
+        if step.get("error"):
+            ep.error, ep.done = str(step["error"]), True
+            return
+        if step.get("done"):
+            ep.done = True
+            return
+        observation = list(step.get("observation") or [])
+        if not observation:
+            return
+        suffix = _suffix_ids(tokenizer, observation, assistant)
+        if len(ep.completion_ids) + len(suffix) >= budget:  # no room left for another model turn
+            ep.done = True
+            self._close_episode(ep)
+            return
+        ep.messages += observation
+        ep.completion_ids += suffix
+        ep.env_mask += [0] * len(suffix)
+
+    def _close_episode(self, ep: Episode) -> None:
+        try:
+            self._call("close_episode", {"episode_id": ep.episode_id})
+        except SandboxError as exc:
+            logger.debug("close_episode failed: %s", exc)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+
+
+def _row(x: dict[str, Any]) -> dict[str, Any]:
+    raw = x.get(ITEM_COLUMN)
+    if isinstance(raw, str):
+        value = json.loads(raw)
+        return value if isinstance(value, dict) else {}
+    return dict(raw or {})
+
+
+def _tasks(kwargs: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    rows = kwargs.get(ITEM_COLUMN) or ["{}"] * n
+    return [_row({ITEM_COLUMN: r}) for r in rows]
+
+
+def _completion_payload(completion: Any) -> Any:
+    """A TRL completion as the environment sees it: text, or a list of plain messages."""
+    if isinstance(completion, str):
+        return completion
+    return [
+        {"role": m.get("role", "assistant"), "content": m.get("content") or ""}
+        for m in completion
+        if isinstance(m, dict)
+    ]
+
+
+def _log(kwargs: dict[str, Any], name: str, value: float) -> None:
+    log_metric = kwargs.get("log_metric")
+    if callable(log_metric):
+        log_metric(name, value)
+
+
+def _stop_ids(tokenizer: Any) -> set[int]:
+    ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    return {i for i in ids if isinstance(i, int)}
+
+
+def _template_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids)
+
+
+def _assistant_message(text: str, turn: int) -> dict[str, Any]:
+    """The model's turn as an OpenAI assistant message (``<tool_call>`` blocks become ``tool_calls``)."""
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        text = text.replace(token, "")
+    calls = parse_tool_calls(text)
+    content = text.split("<tool_call>", 1)[0].strip() if calls else text.strip()
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"id": f"call_{turn}_{i}", **call} for i, call in enumerate(calls)]
+    return message
+
+
+def _suffix_ids(tokenizer: Any, observation: list[dict[str, Any]], assistant: dict[str, Any]) -> list[int]:
+    """Tokens of the environment's messages plus the next generation prompt, rendered by the chat template
+    after a finished assistant turn (the turn's own end-of-turn token is already in the completion)."""
+    dummy_assistant: dict[str, Any] = {"role": "assistant", "content": "x"}
+    if any(m.get("role") == "tool" for m in observation):
+        calls = assistant.get("tool_calls") or [
+            {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ]
+        dummy_assistant["tool_calls"] = [
+            {"type": "function", "function": {"name": c["function"]["name"], "arguments": {}}} for c in calls
+        ]
+    dummy = [{"role": "user", "content": "x"}, dummy_assistant]
+    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
+    full = list(
+        tokenizer.apply_chat_template(
+            dummy + observation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:
+        prefix = prefix[: eos[-1] + 1]
+    if full[: len(prefix)] != prefix:
+        raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
+    return full[len(prefix) :]
+
+
+def _generate(
+    trainer: Any, contexts: list[list[int]], budgets: list[int], temperature: float
+) -> list[list[int]]:
+    """Sample one turn per context (left-padded batch); each result is cut after its first stop token and
+    at its own budget."""
+    import torch
+
+    tokenizer = trainer.processing_class
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    pad = tokenizer.pad_token_id
+    width = max(len(c) for c in contexts)
+    input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
+    attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
+    max_new = max(1, max(budgets))
+    stops = _stop_ids(tokenizer)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention,
+            max_new_tokens=max_new,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad,
+            eos_token_id=list(stops),
+        )
+    results: list[list[int]] = []
+    for row, budget in zip(out[:, width:].tolist(), budgets, strict=True):
+        ids: list[int] = []
+        for token in row[: max(budget, 1)]:
+            ids.append(int(token))
+            if token in stops:
+                break
+        results.append(ids)
+    return results
+
+
+def environment_trainer_class() -> type:
+    """``GRPOTrainer`` that keeps the current batch's rows for :meth:`EnvironmentSession.rollout_func`
+    (TRL hands a rollout function only the prompts; an episode's ``reset`` needs the whole task row)."""
+    from trl import GRPOTrainer
+
+    class EnvironmentGRPOTrainer(GRPOTrainer):
+        tunegate_inputs: list[dict[str, Any]] | None = None
+
+        def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+            self.tunegate_inputs = inputs
+            return super()._generate_and_score_completions(inputs)
+
+    return EnvironmentGRPOTrainer
