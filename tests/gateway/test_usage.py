@@ -1,0 +1,158 @@
+"""Usage metering through a real engine: a burst of mixed requests is recorded exactly, the usage API's
+buckets agree with it, and one organisation never sees another's usage."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.gateway.test_serving import BASE, MESSAGES, _make_adapter, _register, engine  # noqa: F401
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings
+
+
+@pytest.fixture(scope="module")
+def gw(
+    services: Services,
+    database: str,
+    tiny_model_dir: Path,
+    engine: Any,  # noqa: F811 - the engine fixture imported above
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayServer]:
+    settings = make_settings(
+        data_dir=tmp_path_factory.mktemp("gw-usage"),
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tiny_model_dir,
+        usage_flush_interval_s=0.3,
+    )
+    settings.base_models[BASE].upstreams = [engine.url]
+    server = GatewayServer(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_admin(gw: GatewayServer) -> Admin:
+    key = gw.settings.admin_key
+    assert key is not None
+    return Admin(gw.url, key.get_secret_value())
+
+
+def _rows(database: str, org_id: str) -> list[asyncpg.Record]:
+    async def run() -> list[asyncpg.Record]:
+        conn = await asyncpg.connect(database)
+        try:
+            return await conn.fetch("SELECT * FROM completion_usage WHERE organization_id = $1", org_id)
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+def test_burst_is_metered_exactly_and_usage_api_agrees(
+    gw: GatewayServer, gw_admin: Admin, database: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    org = gw_admin.tenant("burst-" + secrets.token_hex(3))
+    second = gw_admin.http.post(f"/v1/admin/organizations/{org.org_id}/api_keys", json={"name": "two"}).json()
+    keys = [org, Tenant(gw.url, org.org_id, second["key"], second["id"])]
+    ft = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
+    _register(database, org.org_id, ft, _make_adapter(tiny_model_dir, tmp_path / "lora", seed=5))
+    start = int(time.time()) - 5
+
+    def one(i: int) -> tuple[str, str, int, int]:
+        who, model = keys[i % 2], (BASE, ft)[(i // 2) % 2]
+        kwargs: dict[str, Any] = dict(model=model, messages=MESSAGES, max_tokens=1 + i % 3, temperature=0)
+        if i % 4 == 3:
+            chunks = list(
+                who.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = who.client.chat.completions.create(**kwargs).usage
+        assert usage is not None
+        return who.key_id, model, usage.prompt_tokens, usage.completion_tokens
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(200)))
+    expected: Counter[tuple[str, str, str]] = Counter()
+    for key_id, model, p, c in results:
+        expected[(key_id, model, "in")] += p
+        expected[(key_id, model, "out")] += c
+        expected[(key_id, model, "n")] += 1
+
+    deadline = time.monotonic() + 15
+    while len(rows := _rows(database, org.org_id)) < 200 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(rows) == 200
+    got: Counter[tuple[str, str, str]] = Counter()
+    for r in rows:
+        got[(r["api_key_id"], r["model"], "in")] += r["prompt_tokens"]
+        got[(r["api_key_id"], r["model"], "out")] += r["completion_tokens"]
+        got[(r["api_key_id"], r["model"], "n")] += 1
+        assert r["base_model"] == BASE and r["status"] == 200 and r["latency_ms"] >= 0
+    assert got == expected
+
+    for group in ("model", "api_key_id"):
+        page = httpx.get(
+            f"{gw.url}/v1/organization/usage/completions",
+            params={"start_time": start, "bucket_width": "1h", "group_by": group, "limit": 2},
+            headers={"Authorization": f"Bearer {org.key}"},
+        ).json()
+        assert page["object"] == "page"
+        api: Counter[tuple[str, str]] = Counter()
+        for bucket in page["data"]:
+            for res in bucket["results"]:
+                api[(res[group], "in")] += res["input_tokens"]
+                api[(res[group], "out")] += res["output_tokens"]
+                api[(res[group], "n")] += res["num_model_requests"]
+        index = 0 if group == "api_key_id" else 1
+        want: Counter[tuple[str, str]] = Counter()
+        for k, v in expected.items():
+            want[((k[0], k[1])[index], k[2])] += v
+        assert api == want
+
+    costs = httpx.get(
+        f"{gw.url}/v1/organization/costs",
+        params={"start_time": start, "group_by": "line_item"},
+        headers={"Authorization": f"Bearer {org.key}"},
+    ).json()
+    items = {r["line_item"]: r for b in costs["data"] for r in b["results"]}
+    price = gw.settings.price_of(BASE)
+    total_in = sum(v for k, v in expected.items() if k[2] == "in")
+    assert items[f"{BASE}, input"]["quantity"] == total_in
+    assert items[f"{BASE}, input"]["amount"]["value"] == pytest.approx(total_in * price.input_per_million / 1e6)
+
+
+def test_usage_of_another_organisation_is_never_visible(gw: GatewayServer, gw_admin: Admin) -> None:
+    a = gw_admin.tenant("ua-" + secrets.token_hex(3))
+    b = gw_admin.tenant("ub-" + secrets.token_hex(3))
+    start = int(time.time()) - 5
+    a.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=2)
+    time.sleep(1.0)  # one flush interval and more
+
+    def total(key: str, **extra: str) -> int:
+        page = httpx.get(
+            f"{gw.url}/v1/organization/usage/completions",
+            params={"start_time": start, "bucket_width": "1h", **extra},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert page.status_code == 200
+        return sum(r["num_model_requests"] for bk in page.json()["data"] for r in bk["results"])
+
+    assert total(a.key) == 1
+    assert total(b.key) == 0
+    assert total(b.key, organization_id=a.org_id) == 0  # a key cannot name another organisation
+    admin_key = gw.settings.admin_key
+    assert admin_key is not None
+    assert total(admin_key.get_secret_value(), organization_id=a.org_id) == 1
+    assert total(admin_key.get_secret_value(), organization_id=b.org_id) == 0
