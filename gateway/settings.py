@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     """Largest single line of a `fine-tune` JSONL upload."""
     max_environment_bytes: int = 64 * 1024 * 1024
     """Largest environment package archive."""
+    environment_max_entries: int = 2000
+    """Most files and folders an environment package archive may hold."""
+    environment_max_unpacked_bytes: int = 100 * 1024 * 1024
+    """Most bytes an environment package may expand to."""
+    environment_max_ratio: float = 200.0
+    """Largest expansion (unpacked bytes / archive bytes) of an environment package: compression bombs."""
+    allow_unsandboxed_environments: bool = False
+    """Development only: run environment packages and python graders without a sandbox on a machine where
+    neither bubblewrap nor unshare works. Never on a shared deployment."""
 
     db_pool_min: int = 1
     """Smallest size of the PostgreSQL connection pool."""
