@@ -74,7 +74,9 @@ def test_burst_is_metered_exactly_and_usage_api_agrees(
         kwargs: dict[str, Any] = dict(model=model, messages=MESSAGES, max_tokens=1 + i % 3, temperature=0)
         if i % 4 == 3:
             chunks = list(
-                who.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+                who.client.chat.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
             )
             usage = chunks[-1].usage
         else:
@@ -130,7 +132,9 @@ def test_burst_is_metered_exactly_and_usage_api_agrees(
     price = gw.settings.price_of(BASE)
     total_in = sum(v for k, v in expected.items() if k[2] == "in")
     assert items[f"{BASE}, input"]["quantity"] == total_in
-    assert items[f"{BASE}, input"]["amount"]["value"] == pytest.approx(total_in * price.input_per_million / 1e6)
+    assert items[f"{BASE}, input"]["amount"]["value"] == pytest.approx(
+        total_in * price.input_per_million / 1e6
+    )
 
 
 def test_usage_of_another_organisation_is_never_visible(gw: GatewayServer, gw_admin: Admin) -> None:

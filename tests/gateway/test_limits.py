@@ -1,0 +1,107 @@
+"""Rate limits and budgets on the serving path, through a real engine: 429s with OpenAI's headers at the
+configured rate and recovery after it; concurrent requests never overspend a budget."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.settings import ModelPrice
+from gateway.usage.pricing import estimate_prompt_tokens
+from tests.gateway.test_serving import BASE, MESSAGES, engine  # noqa: F401
+from tests.support.stack import Admin, GatewayServer, Services, make_settings
+
+DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
+
+
+@pytest.fixture(scope="module")
+def gw(
+    services: Services,
+    database: str,
+    tiny_model_dir: Path,
+    engine: Any,  # noqa: F811 - the engine fixture imported above
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayServer]:
+    settings = make_settings(
+        data_dir=tmp_path_factory.mktemp("gw-limits"),
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tiny_model_dir,
+        prices={BASE: DOLLAR_PER_TOKEN},
+    )
+    settings.base_models[BASE].upstreams = [engine.url]
+    server = GatewayServer(settings).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def gw_admin(gw: GatewayServer) -> Admin:
+    key = gw.settings.admin_key
+    assert key is not None
+    return Admin(gw.url, key.get_secret_value())
+
+
+def test_requests_per_minute_429_with_headers_then_recovery(gw_admin: Admin) -> None:
+    org = gw_admin.tenant("rl-" + secrets.token_hex(3))
+    resp = gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/limits",
+        json={"max_requests_per_1_minute": 30, "max_tokens_per_1_minute": 100_000},
+    )
+    assert resp.status_code == 200 and resp.json()["max_requests_per_1_minute"] == 30
+
+    def ask(_: int) -> Any:
+        return org.client.chat.completions.with_raw_response.create(
+            model=BASE, messages=MESSAGES, max_tokens=1
+        )
+
+    with ThreadPoolExecutor(6) as pool:
+        raws = list(pool.map(ask, range(30)))
+    remaining = sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in raws)
+    assert remaining == list(range(30))  # every request took exactly one
+    assert all(r.headers["x-ratelimit-limit-requests"] == "30" for r in raws)
+    assert all(r.headers["x-ratelimit-limit-tokens"] == "100000" for r in raws)
+    with pytest.raises(openai.RateLimitError) as info:
+        org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1)
+    assert info.value.code == "rate_limit_exceeded"
+    headers = info.value.response.headers
+    assert int(headers["retry-after"]) >= 1 and headers["x-ratelimit-remaining-requests"] == "0"
+    time.sleep(int(headers["retry-after"]) + 0.2)  # 30/min refills one every 2 s
+    ok = org.client.chat.completions.with_raw_response.create(model=BASE, messages=MESSAGES, max_tokens=1)
+    assert ok.http_response.status_code == 200
+    # An organisation-wide token limit smaller than one request's estimate stops it too.
+    gw_admin.http.post(f"/v1/admin/organizations/{org.org_id}/limits", json={"max_tokens_per_1_minute": 5})
+    with pytest.raises(openai.RateLimitError):
+        for _ in range(2):
+            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=50)
+
+
+def test_concurrent_requests_never_overspend_the_budget(gw_admin: Admin) -> None:
+    org = gw_admin.tenant("budget-" + secrets.token_hex(3))
+    max_tokens = 2
+    per_request = estimate_prompt_tokens({"messages": MESSAGES}) + max_tokens  # USD, at $1 a token
+    budget = 10 * per_request + 0.5
+    resp = gw_admin.http.post(
+        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": budget}
+    )
+    assert resp.status_code == 200 and resp.json()["monthly_budget_usd"] == budget
+
+    def ask(_: int) -> str:
+        try:
+            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
+            return "served"
+        except openai.RateLimitError as exc:
+            return str(exc.code)
+
+    with ThreadPoolExecutor(50) as pool:
+        outcomes = list(pool.map(ask, range(50)))
+    served = outcomes.count("served")
+    assert 1 <= served <= 10, outcomes
+    assert outcomes.count("insufficient_quota") == 50 - served
