@@ -115,7 +115,7 @@ class Settings(BaseSettings):
     """Price table per base model (JSON): `{"tiny-chat": {"input_per_million": 0.2, ...}}`; the key `*`
     prices every base model not named (unset: `ModelPrice`'s defaults)."""
     limits_cache_ttl_s: float = 10.0
-    """How long a gateway trusts its cached rate limits and budgets (changes on the same gateway apply at once)."""
+    """How long a gateway trusts its cached rate limits and budgets (its own admin changes apply at once)."""
     budget_default_max_tokens: int = 256
     """Completion tokens assumed for a budget reservation when a request names no `max_tokens`."""
     stripe_api_key: SecretStr | None = None

@@ -179,9 +179,10 @@ async def _seed_usage(database: str, orgs: list[str]) -> None:
             )
             for attempt in range(3):
                 await conn.execute(
-                    "INSERT INTO training_usage (organization_id, job_id, base_model, method, trained_tokens,"
-                    " steps, training_seconds, outcome, created_at) VALUES ($1, $2, 'tiny-chat', 'supervised',"
-                    " $3, 2, $4, 'paused', now() - make_interval(mins => $5))",
+                    "INSERT INTO training_usage (organization_id, job_id, base_model, method,"
+                    " trained_tokens, steps, training_seconds, outcome, created_at)"
+                    " VALUES ($1, $2, 'tiny-chat', 'supervised', $3, 2, $4, 'paused',"
+                    " now() - make_interval(mins => $5))",
                     org,
                     job,
                     1000 + attempt,
