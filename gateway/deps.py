@@ -32,7 +32,7 @@ class Resources:
     extras: dict[str, object] = field(default_factory=dict)
 
 
-def get_resources(request: Request) -> Resources:
+async def get_resources(request: Request) -> Resources:
     res: Resources = request.app.state.resources
     return res
 
@@ -40,7 +40,7 @@ def get_resources(request: Request) -> Resources:
 ResourcesDep = Annotated[Resources, Depends(get_resources)]
 
 
-def get_pool(res: ResourcesDep) -> asyncpg.Pool:
+async def get_pool(res: ResourcesDep) -> asyncpg.Pool:
     return res.pool
 
 
