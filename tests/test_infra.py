@@ -1,0 +1,134 @@
+"""Deployment files, checked offline: they parse, carry what they must, name only real settings, and the
+kustomization lists files that exist. `docker compose config` runs only where a compose client works."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.settings import Settings
+from tunegate.settings_doc import env_name
+
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra"
+K8S = INFRA / "k8s"
+OURS = [INFRA / "compose.yaml", *sorted(K8S.glob("*.yaml")), *sorted((INFRA / "docker").glob("Dockerfile*"))]
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
+    objects = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in _docs(path):
+            assert {"apiVersion", "kind", "metadata"} <= doc.keys(), path
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def test_every_tunegate_variable_is_a_setting() -> None:
+    known = {env_name(name) for name in Settings.model_fields}
+    used: dict[str, set[str]] = {}
+    for path in OURS:
+        for var in re.findall(r"\bTUNEGATE_[A-Z0-9_]+", path.read_text()):
+            used.setdefault(var, set()).add(path.name)
+    assert used, "no settings found in infra files"
+    unknown = {v: sorted(files) for v, files in used.items() if v not in known}
+    assert unknown == {}
+
+
+def test_compose_file() -> None:
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "redis", "gateway", "worker", "engine", "worker-gpu", "vllm"} <= services.keys()
+    assert "cpu" in services["engine"]["profiles"] and "gpu" in services["vllm"]["profiles"]
+    assert services["vllm"]["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    gateway_env = services["gateway"]["environment"]
+    for name in ("TUNEGATE_DATABASE_URL", "TUNEGATE_REDIS_URL", "TUNEGATE_ADMIN_KEY", "TUNEGATE_BASE_MODELS"):
+        assert name in gateway_env
+    # The base-model registry is valid for the Settings object.
+    settings = Settings.model_validate({"base_models": yaml.safe_load(gateway_env["TUNEGATE_BASE_MODELS"])})
+    assert settings.base_models["tiny-chat"].upstreams == ["http://engine:8100"]
+    for service in services.values():
+        build = service.get("build")
+        if build:
+            assert (INFRA / build["context"] / build["dockerfile"]).is_file()
+
+
+def test_kustomization_lists_existing_files() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    listed = kustomization["resources"]
+    assert listed and all((K8S / name).is_file() for name in listed)
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(listed) == on_disk
+
+
+def test_kubernetes_objects() -> None:
+    objects = _k8s_objects()
+    for kind, name in [
+        ("Deployment", "tunegate-gateway"),
+        ("Service", "tunegate-gateway"),
+        ("HorizontalPodAutoscaler", "tunegate-gateway"),
+        ("Deployment", "tunegate-worker"),
+        ("Deployment", "vllm-tiny-chat"),
+        ("Service", "vllm-tiny-chat"),
+        ("Job", "tunegate-migrate"),
+        ("ConfigMap", "tunegate-config"),
+        ("Secret", "tunegate-secrets"),
+    ]:
+        assert (kind, name) in objects, (kind, name)
+    worker = objects[("Deployment", "tunegate-worker")]["spec"]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] >= 1
+    hpa = objects[("HorizontalPodAutoscaler", "tunegate-gateway")]["spec"]
+    assert hpa["scaleTargetRef"]["name"] == "tunegate-gateway"
+    migrate = objects[("Job", "tunegate-migrate")]["spec"]["template"]["spec"]["containers"][0]
+    assert migrate["args"] == ["migrate"]
+    # The ConfigMap's base models parse as the Settings object reads them.
+    config = objects[("ConfigMap", "tunegate-config")]["data"]
+    settings = Settings.model_validate({"base_models": yaml.safe_load(config["TUNEGATE_BASE_MODELS"])})
+    service = objects[("Service", "vllm-tiny-chat")]
+    port = service["spec"]["ports"][0]["port"]
+    assert settings.base_models["tiny-chat"].upstreams == [f"http://vllm-tiny-chat:{port}"]
+    # Every Service selects pods that some Deployment labels.
+    labels = [
+        o["spec"]["template"]["metadata"]["labels"] for (k, _), o in objects.items() if k == "Deployment"
+    ]
+    for (kind, name), obj in objects.items():
+        if kind == "Service":
+            assert obj["spec"]["selector"] in labels, name
+
+
+def test_dockerfiles_build_from_repository_paths() -> None:
+    for dockerfile in sorted((INFRA / "docker").glob("Dockerfile*")):
+        text = dockerfile.read_text()
+        assert text.startswith("#") and "ENTRYPOINT" in text and "bubblewrap" in text
+        for source in re.findall(r"^COPY (\S+) ", text, flags=re.M):
+            assert (ROOT / source).exists(), f"{dockerfile.name}: COPY {source}"
+
+
+def _compose_works() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _compose_works(), reason="no docker compose client here")
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_docker_compose_config(profile: str) -> None:
+    out = subprocess.run(
+        ["docker", "compose", "-f", str(INFRA / "compose.yaml"), "--profile", profile, "config", "-q"],
+        env={"TUNEGATE_ADMIN_KEY": "sk-admin-test", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
