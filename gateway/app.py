@@ -17,6 +17,7 @@ from gateway.db import create_pool, migrate
 from gateway.deps import Resources
 from gateway.errors import install_error_handlers
 from gateway.files.router import router as files_router
+from gateway.graders.router import router as graders_router
 from gateway.jobs.router import router as jobs_router
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.limits.guard import Guard
@@ -100,5 +101,6 @@ def create_app(settings: Settings) -> FastAPI:
         billing_router,
     ):
         app.include_router(router)
+    app.include_router(graders_router)
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

@@ -60,7 +60,41 @@ def _check_content(path: Path, purpose: str, filename: str, settings: Settings) 
             )
         if not filename.endswith((".tar.gz", ".tgz")):
             raise InvalidRequest("An environment package must be a .tar.gz archive.", param="file")
+        check_environment(path, settings)
     return None
+
+
+def check_environment(path: Path, settings: Settings) -> None:
+    """Inspect an uploaded environment package (blocking: run in a thread).
+
+    ``envsdk.archive.inspect_package`` extracts it under the settings' caps (entries, unpacked bytes,
+    compression ratio; no ``..``, absolute paths, links out or devices), validates ``environment.toml`` and
+    starts the package in the sandbox to check that its entrypoint is an environment class. A refusal is a
+    400 ``invalid_environment`` naming the problem.
+    """
+    import tempfile
+
+    from envsdk.archive import inspect_package
+    from envsdk.errors import EnvSDKError
+
+    with tempfile.TemporaryDirectory(prefix="tunegate-envcheck-") as workdir:
+        Path(workdir).chmod(0o755)  # the sandbox's own uid reads the extracted package
+        try:
+            manifest = inspect_package(
+                path,
+                Path(workdir),
+                max_entries=settings.environment_max_entries,
+                max_total_bytes=settings.environment_max_unpacked_bytes,
+                max_ratio=settings.environment_max_ratio,
+                allow_unsandboxed=settings.allow_unsandboxed_environments,
+            )
+        except EnvSDKError as exc:
+            raise InvalidRequest(
+                f"The environment package was refused ({exc.code}): {exc.message}",
+                param="file",
+                code="invalid_environment",
+            ) from None
+    logger.info("environment package %s %s accepted", manifest.name, manifest.version)
 
 
 async def upload(

@@ -118,10 +118,11 @@ class JobRun:
         hp = {k: v for k, v in job["hyperparameters"].items() if k in TRAINER_HYPERPARAMETERS}
         environment = None
         if body.get("environment"):
-            environment = {
-                "package_dir": str(self.workdir / "environment"),
-                "config": body["environment"].get("config", {}),
-            }
+            # The uploaded package, unpacked again under the same caps as its upload check.
+            package_dir = self.workdir / "environment"
+            archive = await self._file_path(body["environment"]["file_id"])
+            await asyncio.to_thread(self._extract_environment, archive, package_dir)
+            environment = {"package_dir": str(package_dir), "config": body["environment"].get("config", {})}
         upstreams = self.settings.base_models[job["model"]].upstreams
         spec = {
             "job_id": self.job_id,
@@ -139,10 +140,25 @@ class JobRun:
             "environment": environment,
             "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
             "inference_api_key": None,
+            "allow_unsandboxed": self.settings.allow_unsandboxed_environments,
         }
         path = self.workdir / "spec.json"
         path.write_text(json.dumps(spec, indent=2))
         return path
+
+    def _extract_environment(self, archive: Path, package_dir: Path) -> None:
+        """Unpack an environment package for the trainer (blocking; run in a thread)."""
+        from envsdk.archive import safe_extract
+
+        shutil.rmtree(package_dir, ignore_errors=True)
+        self.workdir.chmod(0o755)  # the sandbox's own uid reads the package
+        safe_extract(
+            archive,
+            package_dir,
+            max_entries=self.settings.environment_max_entries,
+            max_total_bytes=self.settings.environment_max_unpacked_bytes,
+            max_ratio=self.settings.environment_max_ratio,
+        )
 
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunOutcome:

@@ -1,0 +1,38 @@
+"""Scoring routes: thin wrappers over `gateway.graders.service`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.graders import service
+from gateway.graders.protocol import (
+    EnvironmentRunRequest,
+    EnvironmentRunResponse,
+    GraderRunRequest,
+    GraderValidateRequest,
+    GraderValidateResponse,
+)
+
+router = APIRouter(prefix="/v1/fine_tuning/alpha", tags=["graders"])
+
+
+@router.post("/graders/run")
+async def run_grader(body: GraderRunRequest, res: ResourcesDep, who: PrincipalDep) -> dict[str, Any]:
+    return await service.run_grader(res, body)
+
+
+@router.post("/graders/validate")
+async def validate_grader(
+    body: GraderValidateRequest, res: ResourcesDep, who: PrincipalDep
+) -> GraderValidateResponse:
+    return service.validate(body.grader)
+
+
+@router.post("/environments/run")
+async def run_environment(
+    body: EnvironmentRunRequest, res: ResourcesDep, who: PrincipalDep
+) -> EnvironmentRunResponse:
+    return await service.run_environment(res, who.organization_id, body)

@@ -1,0 +1,205 @@
+"""Scoring: OpenAI graders and uploaded environments, run off the event loop.
+
+* `run_grader` -- `envsdk.graders.grade` in a worker thread: model graders (`score_model`, `label_model`)
+  call the engine that serves the named base model (`settings.base_models[...].upstreams`), `python`
+  graders run in the sandbox (`envsdk.python_grader`), never in the gateway's process.
+* `validate` -- `envsdk.graders.validate_grader`; a bad grader is a 400 whose `param` names the field.
+* `run_environment` -- unpacks the caller's environment package (the same caps as its upload check) and
+  runs it in the sandbox: scores a literal completion, or plays one episode against a served base model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from envsdk.graders import GraderError, grade, make_sample, parse_tool_calls, validate_grader
+from gateway.deps import Resources
+from gateway.errors import InvalidRequest, not_found
+from gateway.files import store as files_store
+from gateway.graders.protocol import (
+    EnvironmentRunRequest,
+    EnvironmentRunResponse,
+    GraderRunRequest,
+    GraderValidateResponse,
+)
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+POLICY_MAX_TOKENS = 256
+"""Tokens per model turn when a served model plays an episode."""
+
+
+def _check(grader: dict[str, Any]) -> None:
+    try:
+        validate_grader(grader)
+    except GraderError as exc:
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
+
+
+def validate(grader: dict[str, Any]) -> GraderValidateResponse:
+    """The grader back when it is valid; else a 400 naming the field."""
+    _check(grader)
+    return GraderValidateResponse(grader=grader)
+
+
+def _models(grader: dict[str, Any]) -> list[str]:
+    subs = grader.get("graders")
+    values = subs.values() if isinstance(subs, dict) else subs if isinstance(subs, list) else []
+    names = [str(grader["model"])] if isinstance(grader.get("model"), str) else []
+    return names + [m for s in values if isinstance(s, dict) for m in _models(s)]
+
+
+def _upstream(settings: Settings, model: str | None) -> str | None:
+    """The first engine serving ``model`` (a base model); else the first engine of any base model."""
+    if model in settings.base_models and settings.base_models[model].upstreams:
+        return settings.base_models[model].upstreams[0].rstrip("/")
+    return next((m.upstreams[0].rstrip("/") for m in settings.base_models.values() if m.upstreams), None)
+
+
+def _grade_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
+    from envsdk.inference_client import InferenceClient
+    from envsdk.python_grader import PythonGraders
+
+    models = _models(body.grader)
+    upstream = _upstream(settings, models[0]) if models else None
+    inference = InferenceClient(f"{upstream}/v1") if upstream else None
+    try:
+        with PythonGraders(allow_unsandboxed=settings.allow_unsandboxed_environments) as python:
+            sample = make_sample(body.model_sample)
+            result = grade(body.grader, sample, body.item or {}, inference=inference, python=python)
+    finally:
+        if inference is not None:
+            inference.close()
+    return result.to_response()
+
+
+async def run_grader(res: Resources, body: GraderRunRequest) -> dict[str, Any]:
+    """OpenAI's `GraderRunResponse` for one sample."""
+    _check(body.grader)
+    return await anyio.to_thread.run_sync(_grade_sync, res.settings, body)
+
+
+# -- environments ----------------------------------------------------------------------------------------
+
+
+def _assistant(completion: str) -> dict[str, Any]:
+    calls = parse_tool_calls(completion)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": completion.split("<tool_call>", 1)[0].strip() if calls else completion,
+    }
+    if calls:
+        message["tool_calls"] = [{"id": f"call_{i}", **call} for i, call in enumerate(calls)]
+    return message
+
+
+def _first_turn(sandbox: Any, task: dict[str, Any], completion: str) -> EnvironmentRunResponse:
+    """Multi-turn with a literal completion: `reset`, then one `step` answering it."""
+    from envsdk.errors import SandboxError
+
+    try:
+        opened = sandbox.reset(task)
+        assistant = _assistant(completion)
+        step = sandbox.step(opened["episode_id"], assistant)
+    except SandboxError as exc:
+        return EnvironmentRunResponse(reward=None, error=f"{exc.code}: {exc.message}", stop_reason="error")
+    messages = [*opened.get("observation", []), assistant, *(step.get("observation") or [])]
+    if not step.get("done"):
+        sandbox.call("close_episode", {"episode_id": opened["episode_id"]})
+    return EnvironmentRunResponse(
+        reward=None if step.get("error") else float(step.get("reward") or 0.0),
+        info=step.get("info") or {},
+        messages=messages,
+        error=step.get("error"),
+        turns=1,
+        stop_reason="error" if step.get("error") else ("done" if step.get("done") else "first_turn"),
+    )
+
+
+def _run_environment_sync(
+    settings: Settings, archive: Path, body: EnvironmentRunRequest, upstream: str | None
+) -> EnvironmentRunResponse:
+    from envsdk.archive import safe_extract
+    from envsdk.errors import EnvSDKError
+    from envsdk.rollout import openai_policy, run_episode, run_single_turn
+    from envsdk.sandbox import Sandbox
+
+    with tempfile.TemporaryDirectory(prefix="tunegate-envrun-") as workdir:
+        Path(workdir).chmod(0o755)
+        package = Path(workdir) / "package"
+        try:
+            safe_extract(
+                archive,
+                package,
+                max_entries=settings.environment_max_entries,
+                max_total_bytes=settings.environment_max_unpacked_bytes,
+                max_ratio=settings.environment_max_ratio,
+            )
+            sandbox = Sandbox(
+                package, config=body.config, allow_unsandboxed=settings.allow_unsandboxed_environments
+            )
+            sandbox.start()
+        except EnvSDKError as exc:
+            error = f"{exc.code}: {exc.message}"
+            return EnvironmentRunResponse(reward=None, error=error, stop_reason="error")
+        try:
+            kind = str(sandbox.info.get("kind"))
+            if body.completion is not None:
+                if kind == "single_turn":
+                    result = run_single_turn(sandbox, body.task, completion=body.completion)
+                else:
+                    return _first_turn(sandbox, body.task, body.completion).model_copy(update={"kind": kind})
+            else:
+                import openai
+
+                client = openai.OpenAI(base_url=f"{upstream}/v1", api_key="tunegate", max_retries=0)
+                policy = openai_policy(client, str(body.model), max_tokens=POLICY_MAX_TOKENS)
+                if kind == "single_turn":
+                    result = run_single_turn(sandbox, body.task, policy)
+                else:
+                    turns = min(body.max_turns or sandbox.limits.max_turns, sandbox.limits.max_turns)
+                    result = run_episode(sandbox, body.task, policy, max_turns=turns)
+        finally:
+            sandbox.close()
+    data = result.to_dict()
+    return EnvironmentRunResponse(
+        reward=data["reward"],
+        info=data.get("info") or {},
+        messages=data["messages"],
+        error=data.get("error"),
+        turns=data["turns"],
+        stop_reason=data["stop_reason"],
+        kind=kind,
+    )
+
+
+async def run_environment(res: Resources, org_id: str, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
+    """Score `completion` (or let `model` play) with the caller's environment package."""
+    row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
+    if row is None:
+        raise not_found("file", body.file_id, param="file_id")
+    if row["purpose"] != "environment":
+        raise InvalidRequest(
+            f"File '{body.file_id}' has purpose '{row['purpose']}'; expected 'environment'.",
+            param="file_id",
+            code="invalid_file_purpose",
+        )
+    if (body.completion is None) == (body.model is None):
+        raise InvalidRequest("Give exactly one of 'completion' or 'model'.", param="completion")
+    upstream = None
+    if body.model is not None:
+        upstream = _upstream(res.settings, body.model)
+        if body.model not in res.settings.base_models or upstream is None:
+            raise InvalidRequest(
+                f"Model '{body.model}' is not a base model served by this gateway.", param="model"
+            )
+    archive = res.blobs.path(row["blob_key"])
+    run = functools.partial(_run_environment_sync, res.settings, archive, body, upstream)
+    return await anyio.to_thread.run_sync(run)
