@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PACKAGES := gateway trainer inference envsdk tunegate
 
-.PHONY: install up lint format typecheck test test-fast clean
+.PHONY: install up quickstart lint format typecheck test test-fast clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || { apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(VENV); }
@@ -19,6 +19,9 @@ install: $(BIN)/python
 
 up: install
 	$(BIN)/tunegate up
+
+quickstart: install
+	$(BIN)/tunegate quickstart
 
 lint:
 	$(BIN)/ruff check $(PACKAGES) tests
