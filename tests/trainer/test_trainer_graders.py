@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -123,7 +124,7 @@ def test_python_grader_runs_in_the_sandbox() -> None:
         assert grade(python_grader(source), "Paris", ITEM, python=sandboxes).reward == 1.0
         assert grade(python_grader(source), "Rome", ITEM, python=sandboxes).reward == 0.25
         inside = grade(python_grader("import os\ndef grade(s, i):\n    return os.getuid()\n"), "x", ITEM)
-    assert inside.reward >= 200_000 and not inside.failed  # the sandbox's own uid, never the caller's
+    assert inside.reward not in (0, os.getuid()) and not inside.failed  # the sandbox's own uid
 
 
 def test_python_grader_failures_are_data() -> None:
