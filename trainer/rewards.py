@@ -11,6 +11,7 @@ grader source for the whole job.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
@@ -80,6 +81,7 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
         inference = InferenceClient(spec.inference_base_url, spec.inference_api_key)
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="grader") if inference else None
     python = PythonGraders(allow_unsandboxed=spec.allow_unsandboxed)
+    atexit.register(python.close)  # stops the python graders' sandboxes and deletes their folders
 
     def reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         items_json = kwargs.get(ITEM_COLUMN) or ["{}"] * len(completions)

@@ -129,3 +129,23 @@ def test_failures_are_data_and_a_broken_environment_fails_the_job(tiny: Path, tm
     error = job.events[-1]
     assert error["type"] == "error" and error["code"] == "environment_error", job.events[-3:]
     assert "the dice are lost" in error["message"] and "broken" in error["message"]
+
+
+def test_python_grader_rewards_come_from_the_sandbox(tiny: Path, tmp_path: Path) -> None:
+    source = (
+        "import os\n"
+        "def grade(sample, item):\n"
+        "    assert os.getuid() != 0 and os.getpid() < 10, 'not in the sandbox'\n"
+        "    return min(len(sample['output_text']), 20) / 20\n"
+    )
+    grader = {"type": "python", "name": "length", "source": source}
+    hp = {**HP, "max_steps": 2}
+    job = run_trainer(
+        make_spec(
+            tmp_path, tiny, "reinforcement", rows_of("arithmetic")[:4], hyperparameters=hp, grader=grader
+        )
+    )
+    assert job.rc == 0, job.stderr[-3000:]
+    metrics = [m["data"] for m in job.of("metrics")]
+    assert len(metrics) == 2
+    assert all(d["grader_error_rate"] == 0 and 0 < d["rewards/length"] <= 1 for d in metrics)
