@@ -107,7 +107,7 @@ class PythonGrader:
 
         if self._sandbox is None:
             self._sandbox = Sandbox(self._dir, allow_unsandboxed=self.allow_unsandboxed)
-        if self._sandbox._proc is None:
+        if not self._sandbox.running:
             self._sandbox.start()
         return self._sandbox
 

@@ -99,7 +99,7 @@ class EnvironmentSession:
     # -- calls and failure accounting ------------------------------------------------------------
     def _call(self, method: str, params: dict[str, Any]) -> Any:
         """One sandbox call; a dead sandbox is restarted before the next call."""
-        if self.sandbox._proc is None:
+        if not self.sandbox.running:
             try:
                 self.sandbox.start()
             except SandboxError as exc:
