@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,15 +68,40 @@ def _check_base_model(path: str) -> None:
         raise TrainerError("invalid_model", f"base_model {path} is not a model folder (no config.json)")
 
 
-def _check_resume(path: str | None) -> int:
-    """The step a resume starts from; ``invalid_checkpoint`` for a folder this trainer did not write."""
+def _checkpoint_state(path: str | None) -> dict[str, Any]:
+    """The trainer state saved with a checkpoint (empty without one); ``invalid_checkpoint`` for a folder this
+    trainer did not write."""
     if path is None:
-        return 0
+        return {}
     state_file = Path(path) / "trainer_state.json"
     try:
-        return int(json.loads(state_file.read_text())["global_step"])
+        state = json.loads(state_file.read_text())
+        int(state["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         raise TrainerError("invalid_checkpoint", f"{path} is not a resumable checkpoint") from None
+    return dict(state)
+
+
+def _finish_from_final_checkpoint(spec: TrainerSpec, events: EventWriter, state: dict[str, Any]) -> int:
+    """A resume from the run's last checkpoint (the run ended before its result was taken): nothing is left to
+    train, so its adapter is the result. Training on would take steps past the run's end."""
+    from trainer.callbacks import read_checkpoint_tokens
+
+    assert spec.resume_from_checkpoint is not None
+    step = int(state["global_step"])
+    source = Path(spec.resume_from_checkpoint)
+    adapter_dir = spec.adapter_dir
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy2(source / name, adapter_dir / name)
+    logged = [entry for entry in state.get("log_history", []) if "loss" in entry or "train_loss" in entry]
+    metrics = {"step": step}
+    if logged:
+        last = logged[-1]
+        metrics["train_loss"] = last.get("loss", last.get("train_loss"))
+    events.message(f"Training had finished at step {step}; saving its adapter", step=step)
+    events.result(str(adapter_dir.resolve()), read_checkpoint_tokens(source), step, metrics)
+    return 0
 
 
 def _build_trainer(
@@ -173,7 +199,10 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
     from trainer.data import load_dataset
 
     _check_base_model(spec.base_model)
-    resume_step = _check_resume(spec.resume_from_checkpoint)
+    state = _checkpoint_state(spec.resume_from_checkpoint)
+    resume_step = int(state.get("global_step", 0))
+    if state and resume_step >= int(state.get("max_steps") or 0) > 0:
+        return _finish_from_final_checkpoint(spec, events, state)
     train_ds = load_dataset(spec.method, spec.training_file)
     eval_ds = None
     if spec.validation_file:

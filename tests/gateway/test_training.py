@@ -224,6 +224,28 @@ def test_failing_trainer_fails_the_job(services: Services, database: str, tmp_pa
     assert any(e.level == "error" and e.message.startswith("Job failed") for e in events)
 
 
+def _long_rl(t: Tenant, steps: int) -> Any:
+    """An RL job whose steps (generation included) are slow enough to be interrupted mid-run."""
+    return t.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload(t, RFT),
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": CONTAINS_YES,
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 2,
+                    "num_generations": 4,
+                    "max_completion_length": 16,
+                    "max_steps": steps,
+                    "checkpoint_every": 3,
+                },
+            },
+        },
+    )
+
+
 def _long_sft(t: Tenant, steps: int = 400) -> Any:
     return t.client.fine_tuning.jobs.create(
         model="tiny-chat",
@@ -263,7 +285,7 @@ def test_cancel_while_running(stack: GatewayServer, worker: WorkerProcess, tenan
 
 def test_pause_then_resume_continues(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
     jobs = tenant.client.fine_tuning.jobs
-    job = _long_sft(tenant, steps=60)
+    job = _long_rl(tenant, steps=40)
     _wait_steps(tenant, job.id, 4)
     assert jobs.pause(job.id).status == "paused"
     deadline = time.monotonic() + 30
@@ -276,8 +298,8 @@ def test_pause_then_resume_continues(stack: GatewayServer, worker: WorkerProcess
     assert jobs.resume(job.id).status == "queued"
     done = wait_for(tenant, job.id, ("succeeded", "failed"))
     assert done.status == "succeeded", done.error
-    assert metrics_steps(tenant, job.id) == list(range(1, 61))
-    assert len(paused_steps) < 60
+    assert metrics_steps(tenant, job.id) == list(range(1, 41))
+    assert len(paused_steps) < 40
     messages = [e.message for e in all_events(tenant, job.id)]
     assert any("resuming from step" in m for m in messages), messages
 
@@ -312,7 +334,7 @@ def test_worker_killed_mid_job_resumes(
             TUNEGATE_STALE_AFTER_S="4",
             TUNEGATE_REQUEUE_INTERVAL_S="2",
         )
-        job = _long_sft(tenant, steps=60)
+        job = _long_rl(tenant, steps=40)
         _wait_steps(tenant, job.id, 5)
         victim.kill()
         deadline = time.monotonic() + 20
@@ -326,7 +348,7 @@ def test_worker_killed_mid_job_resumes(
     assert done.status == "succeeded", done.error
     events = all_events(tenant, job.id)
     steps = [e.data["step"] for e in events if e.type == "metrics"]
-    assert sorted(steps) == list(range(1, 61))  # each step once, also the replayed ones
+    assert sorted(steps) == list(range(1, 41))  # each step once, also the replayed ones
     ckpts = [c.step_number for c in tenant.client.fine_tuning.jobs.checkpoints.list(job.id, limit=100)]
     assert len(ckpts) == len(set(ckpts))
     assert any("re-queued" in e.message for e in events)

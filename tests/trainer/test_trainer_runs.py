@@ -72,6 +72,28 @@ def test_supervised_run(tiny: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_resume_from_the_final_checkpoint_trains_no_further(tiny: Path, tmp_path: Path) -> None:
+    """A run whose result was not taken (its job was paused as it ended) resumes from its last checkpoint:
+    the result comes from that checkpoint, with no step past the run's end."""
+    hp = {"n_epochs": 10, "max_steps": 4, "batch_size": 2, "learning_rate": 0.01, "checkpoint_every": 2}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = run_trainer(make_spec(tmp_path / "a", tiny, "supervised", SFT_ROWS, hyperparameters=hp))
+    assert_finished_run(first, total_steps=4, checkpoint_every=2)
+    final = first.of("checkpoint")[-1]["path"]
+    again = run_trainer(
+        make_spec(
+            tmp_path / "b", tiny, "supervised", SFT_ROWS, hyperparameters=hp, resume_from_checkpoint=final
+        )
+    )
+    assert again.rc == 0, again.stderr[-2000:]
+    assert again.of("metrics") == [] and again.of("checkpoint") == []
+    (result,) = again.of("result")
+    assert result["steps"] == 4 and result["trained_tokens"] == first.of("result")[0]["trained_tokens"]
+    assert lora_tensors(Path(result["adapter_path"])).keys() == lora_tensors(Path(final)).keys()
+
+
+@pytest.mark.slow
 def test_dpo_run(tiny: Path, tmp_path: Path) -> None:
     spec = make_spec(
         tmp_path,
