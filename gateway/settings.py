@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     """How long a gateway trusts its cached rate limits and budgets (its own admin changes apply at once)."""
     budget_default_max_tokens: int = 256
     """Completion tokens assumed for a budget reservation when a request names no `max_tokens`."""
+    default_requests_per_minute: int = Field(default=10_000, ge=0)
+    """Requests per minute of an API key with no request limit of its own (0: unlimited)."""
+    default_tokens_per_minute: int = Field(default=10_000_000, ge=0)
+    """Tokens (prompt estimate plus max tokens) per minute of an API key with no token limit of its own
+    (0: unlimited)."""
     stripe_api_key: SecretStr | None = None
     """Stripe secret key. Unset: usage is aggregated into the outbox but nothing is sent."""
     stripe_api_base: str | None = None

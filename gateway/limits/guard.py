@@ -2,10 +2,15 @@
 after it.
 
 `admit()` takes one request and the estimated tokens (prompt estimate + max tokens) from the key's and the
-organisation's buckets in one Lua call, then reserves the estimated cost against the organisation's budget
+organisation's buckets in one Lua call (a key without limits of its own gets `default_requests_per_minute` /
+`default_tokens_per_minute`), then reserves the estimated cost against the organisation's budget
 in another; `settle()` gives back the unused tokens and turns the reservation into the actual cost. Limits and
 budgets are cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops
 the entry of an organisation it changes.
+
+Every admitted request carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers: the
+tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
+the effective limits as both limit and remaining).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from gateway.settings import Settings
 from gateway.usage.pricing import completion_cost, training_cost
 
 logger = logging.getLogger(__name__)
+
+UNLIMITED = 1_000_000_000
+"""Limit and remaining reported for a kind that no bucket limits."""
+KINDS = ("requests", "tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,13 +78,11 @@ def _duration(ms: int) -> str:
 
 
 def _headers(kinds: list[str], states: list[BucketState]) -> dict[str, str]:
-    """`x-ratelimit-*` headers: per kind, the bucket with the least left."""
+    """`x-ratelimit-*` headers: per kind, the bucket with the least left (`UNLIMITED` for a kind without)."""
     out: dict[str, str] = {}
-    for kind in ("requests", "tokens"):
+    for kind in KINDS:
         mine = [s for k, s in zip(kinds, states, strict=True) if k == kind]
-        if not mine:
-            continue
-        tight = min(mine, key=lambda s: s.remaining)
+        tight = min(mine, key=lambda s: s.remaining) if mine else BucketState(UNLIMITED, UNLIMITED, 0)
         out[f"x-ratelimit-limit-{kind}"] = str(tight.limit)
         out[f"x-ratelimit-remaining-{kind}"] = str(tight.remaining)
         out[f"x-ratelimit-reset-{kind}"] = _duration(tight.reset_ms)
@@ -90,6 +97,10 @@ class Guard:
         self.pool = pool
         self.buckets = buckets
         self._policies: dict[str, OrgPolicy] = {}
+        self.default_key = Limit(
+            settings.default_requests_per_minute or None, settings.default_tokens_per_minute or None
+        )
+        """Limits of a key that has none of its own (None: unlimited)."""
 
     # ---- cached policies ------------------------------------------------------------------------------
     async def policy(self, org_id: str) -> OrgPolicy:
@@ -100,7 +111,10 @@ class Guard:
         for row in await store.limits_of_org(self.pool, org_id=org_id):
             limit = Limit(row["max_requests_per_1_minute"], row["max_tokens_per_1_minute"])
             if row["api_key_id"]:
-                policy.keys[row["api_key_id"]] = limit
+                # A field the key leaves unset falls back to the default, as a key without a row does.
+                policy.keys[row["api_key_id"]] = Limit(
+                    limit.requests or self.default_key.requests, limit.tokens or self.default_key.tokens
+                )
             else:
                 policy.org = limit
         billing = await store.billing_of_org(self.pool, org_id=org_id)
@@ -136,16 +150,16 @@ class Guard:
         estimate = prompt_tokens + max_tokens
         checks: list[tuple[str, int, int]] = []
         kinds: list[str] = []
-        for subject, limit in ((f"key:{key_id}", policy.keys.get(key_id)), (f"org:{org_id}", policy.org)):
-            if limit is None:
-                continue
+        key_limit = policy.keys.get(key_id, self.default_key)
+        for subject, limit in ((f"key:{key_id}", key_limit), (f"org:{org_id}", policy.org)):
             if limit.requests:
                 checks.append((bucket_key(subject, "requests"), limit.requests, 1))
                 kinds.append("requests")
             if limit.tokens:
                 checks.append((bucket_key(subject, "tokens"), limit.tokens, estimate))
                 kinds.append("tokens")
-        headers: dict[str, str] = {}
+        # Until Redis answers (or when it cannot): the effective limits, nothing taken yet.
+        headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
         token_buckets: list[tuple[str, int, int]] = []
         if checks and self.buckets is not None:
             taken = await self.buckets.take(checks)

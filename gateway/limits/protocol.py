@@ -11,7 +11,8 @@ from gateway.protocol import OpenAIBaseModel
 
 
 class LimitsUpdate(OpenAIBaseModel):
-    """`POST .../limits`: per-minute limits (null or absent: unlimited)."""
+    """`POST .../limits`: per-minute limits. Null or absent: unlimited for an organisation; for an API key,
+    the defaults `default_requests_per_minute` / `default_tokens_per_minute`."""
 
     max_requests_per_1_minute: int | None = Field(default=None, ge=1)
     max_tokens_per_1_minute: int | None = Field(default=None, ge=1)

@@ -13,6 +13,10 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.db import create_pool
+from gateway.limits import store as limits_store
+from gateway.limits.buckets import Buckets, make_limits_redis
+from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.settings import ModelPrice
 from gateway.usage.pricing import estimate_prompt_tokens
 from tests.gateway.test_serving import BASE, MESSAGES, engine  # noqa: F401
@@ -105,3 +109,64 @@ def test_concurrent_requests_never_overspend_the_budget(gw_admin: Admin) -> None
     served = outcomes.count("served")
     assert 1 <= served <= 10, outcomes
     assert outcomes.count("insufficient_quota") == 50 - served
+
+
+RATE_HEADERS = [f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset") for kind in KINDS]
+
+
+def test_rate_limit_headers_on_every_completion_without_configured_limits(gw_admin: Admin) -> None:
+    org = gw_admin.tenant("hdr-" + secrets.token_hex(3))  # no limits of its own: the defaults apply
+    chat = org.client.chat.completions.with_raw_response
+    plain = org.client.completions.with_raw_response
+    raws = [
+        chat.create(model=BASE, messages=MESSAGES, max_tokens=2),
+        chat.create(model=BASE, messages=MESSAGES, max_tokens=2, stream=True),
+        plain.create(model=BASE, prompt="Paris is", max_tokens=2),
+        plain.create(model=BASE, prompt="Paris is", max_tokens=2, stream=True),
+    ]
+    for raw in raws:
+        for name in RATE_HEADERS:
+            assert name in raw.headers, (name, dict(raw.headers))
+        assert raw.headers["x-ratelimit-limit-requests"] == "10000"
+        assert raw.headers["x-ratelimit-limit-tokens"] == "10000000"
+        raw.parse()  # the body (or the whole stream) is a normal answer
+    remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in raws]
+    # Each request took one from the key's default bucket (which refills 166 a second meanwhile).
+    assert remaining[0] == 9999 and all(9996 <= r <= 9999 for r in remaining)
+    tokens_left = int(raws[0].headers["x-ratelimit-remaining-tokens"])
+    assert tokens_left == 10_000_000 - estimate_prompt_tokens({"messages": MESSAGES}) - 2
+
+
+async def test_unlimited_defaults_still_send_headers(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """With both defaults 0 (unlimited) a key without limits takes nothing, yet its headers are there."""
+    org = gw_admin.tenant("unl-" + secrets.token_hex(3))
+    settings = make_settings(
+        data_dir=tmp_path,
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tmp_path,
+        default_requests_per_minute=0,
+        default_tokens_per_minute=0,
+    )
+    pool = await create_pool(database, min_size=1, max_size=1)
+    redis = make_limits_redis(services.redis_url)
+    try:
+        guard = Guard(settings, pool, Buckets(redis))
+        org_id = org.org_id
+        adm = await guard.admit(org_id, org.key_id, BASE, 10, 5)
+        assert adm.token_buckets == []  # nothing limits it, so nothing was taken
+        for kind in KINDS:
+            assert adm.headers[f"x-ratelimit-limit-{kind}"] == str(UNLIMITED)
+            assert adm.headers[f"x-ratelimit-remaining-{kind}"] == str(UNLIMITED)
+        # An organisation limit applies on its own kind; the other kind stays unlimited.
+        await limits_store.set_limits(pool, org_id=org_id, key_id=None, requests=7, tokens=None)
+        guard.forget(org_id)
+        adm = await guard.admit(org_id, org.key_id, BASE, 10, 5)
+        assert adm.headers["x-ratelimit-limit-requests"] == "7"
+        assert adm.headers["x-ratelimit-remaining-requests"] == "6"
+        assert adm.headers["x-ratelimit-limit-tokens"] == str(UNLIMITED)
+    finally:
+        await redis.aclose()
+        await pool.close()
