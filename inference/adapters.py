@@ -16,8 +16,9 @@ import gc
 import itertools
 import json
 import logging
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,8 @@ class Adapter:
     """Running batches that use it; a pinned adapter is never evicted or deleted."""
     doomed: bool = False
     """Unloaded by name while pinned: delete the weights when the last pin goes."""
+    registered_at: float = field(default_factory=time.time)
+    """When `/v1/load_lora_adapter` accepted it (unix seconds); listed in `/v1/models` as `loaded_at`."""
 
 
 def read_adapter_config(path: str) -> dict[str, Any]:

@@ -98,6 +98,7 @@ class EngineRouter:
                         "owned_by": "tunegate",
                         "root": adapter.path,
                         "parent": name,
+                        "loaded_at": adapter.registered_at,
                     }
                 )
         return data
