@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from envsdk.graders import GraderError, validate_grader
 from gateway.errors import InvalidRequest
 from gateway.files.validation import read_rows
 
@@ -78,7 +79,6 @@ _ALLOWED = {
     },
 }
 _EXCLUSIVE_ZERO = {"learning_rate_multiplier", "beta", "compute_multiplier"}
-GRADER_TYPES = ("string_check", "text_similarity", "score_model", "label_model", "python", "multi")
 _SUFFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -147,34 +147,11 @@ def _check_hyperparameters(kind: str, hp: dict[str, Any], param: str) -> dict[st
 
 
 def check_grader(grader: Any, param: str) -> None:
-    """Structural check of an OpenAI grader; sub-graders of `multi` are checked too."""
-    if not isinstance(grader, dict):
-        raise InvalidRequest("grader must be an object.", param=param)
-    gtype = grader.get("type")
-    if gtype not in GRADER_TYPES:
-        raise InvalidRequest(f"grader.type must be one of {', '.join(GRADER_TYPES)}.", param=f"{param}.type")
-    required = {
-        "string_check": ("input", "reference", "operation"),
-        "text_similarity": ("input", "reference", "evaluation_metric"),
-        "score_model": ("model", "input"),
-        "label_model": ("model", "input", "labels", "passing_labels"),
-        "python": ("source",),
-        "multi": ("graders", "calculate_output"),
-    }[gtype]
-    for field in required:
-        if field not in grader:
-            raise InvalidRequest(f"grader of type {gtype} needs '{field}'.", param=f"{param}.{field}")
-    if gtype == "string_check" and grader["operation"] not in ("eq", "ne", "like", "ilike"):
-        raise InvalidRequest("operation must be eq, ne, like or ilike.", param=f"{param}.operation")
-    if gtype == "multi":
-        subs = grader["graders"]
-        items = (
-            subs.items() if isinstance(subs, dict) else enumerate(subs) if isinstance(subs, list) else None
-        )
-        if not items:
-            raise InvalidRequest("multi grader needs a non-empty 'graders'.", param=f"{param}.graders")
-        for name, sub in items:
-            check_grader(sub, f"{param}.graders.{name}")
+    """The grader checked by the same code that will run it (sub-graders of `multi` too)."""
+    try:
+        validate_grader(grader, param=param)
+    except GraderError as exc:
+        raise InvalidRequest(exc.message, param=exc.param or param, code=exc.code) from None
 
 
 def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> MethodSpec:

@@ -127,6 +127,48 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
             "method.reinforcement.grader.input",
         ),
         (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {
+                        "grader": {
+                            "type": "text_similarity",
+                            "input": "a",
+                            "reference": "b",
+                            "evaluation_metric": "cosine",
+                        }
+                    },
+                }
+            },
+            "method.reinforcement.grader.evaluation_metric",
+        ),
+        (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {
+                        "grader": {"type": "python", "source": "def not_grade(sample, item):\n    return 1\n"}
+                    },
+                }
+            },
+            "method.reinforcement.grader.source",
+        ),
+        (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {
+                        "grader": {
+                            "type": "multi",
+                            "graders": {"a": GRADER},
+                            "calculate_output": "__import__('os')",
+                        }
+                    },
+                }
+            },
+            "method.reinforcement.grader.calculate_output",
+        ),
+        (
             {"method": {"type": "reinforcement", "reinforcement": {"environment": {"file_id": "file-nope"}}}},
             "method.reinforcement.environment.file_id",
         ),
