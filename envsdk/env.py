@@ -5,7 +5,9 @@
 * :class:`MultiTurnEnv` -- ``reset(task)`` gives the first observation, ``step(assistant_message)``
   answers each model turn with a :class:`~envsdk.types.StepResult`. One instance plays one episode.
 * :class:`ToolEnv` -- a multi-turn environment whose ``@tool`` methods the model calls; the episode ends
-  when the model answers without a tool call and is scored by ``reward(task, messages)``.
+  when the model answers without a tool call and is scored by ``reward(task, messages)``. With the config
+  key ``force_first_tool_call`` set, a task's ``tool_call`` opens the episode as the first assistant turn
+  (OpenAI's ``tool_choice`` forcing, with the arguments given by the task).
 
 Every hook may be written sync or async. Environments receive the package's ``config`` (a dict from the
 job) as ``self.config``. This module is stdlib-only: it runs inside the sandbox.
@@ -14,6 +16,7 @@ job) as ``self.config``. This module is stdlib-only: it runs inside the sandbox.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import logging
@@ -126,6 +129,27 @@ class ToolEnv(MultiTurnEnv):
         super().__init__(config)
         self.task: dict[str, Any] = {}
         self.messages: list[Message] = []
+        self.info: dict[str, Any] = {}
+        """Episode details tools and ``reward`` may fill; every step's ``info`` is a copy of it. Numbers
+        under ``info["metrics"]`` are averaged over a batch's episodes into the job's metrics events."""
+
+    def forced_tool_call(self, task: dict[str, Any]) -> dict[str, Any] | None:
+        """The tool call that opens the episode, or None to let the model write the first turn.
+
+        Default: when ``config["force_first_tool_call"]`` is true, the task's ``tool_call``
+        (``{"name": ..., "arguments": {...}}``). Override to derive the call from the task otherwise.
+        """
+        if not self.config.get("force_first_tool_call"):
+            return None
+        call = task.get("tool_call")
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments") or {}
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments or "{}")
+        if not isinstance(arguments, dict):
+            raise TypeError("a task's tool_call arguments must be a JSON object")
+        return {"name": call["name"], "arguments": arguments}
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [get_schema(fn) for fn in self._tools().values()]
@@ -141,6 +165,7 @@ class ToolEnv(MultiTurnEnv):
     def reset(self, task: dict[str, Any]) -> list[Message] | Awaitable[list[Message]]:
         self.task = task
         self.messages = task_messages(task)
+        self.info = {}
         return list(self.messages)
 
     def reward(self, task: dict[str, Any], messages: list[Message]) -> float | Awaitable[float]:
@@ -164,7 +189,7 @@ class ToolEnv(MultiTurnEnv):
         calls = assistant_message.get("tool_calls") or []
         if not calls:
             reward = float(await maybe_await(self.reward(self.task, list(self.messages))))
-            return StepResult(observation=[], reward=reward, done=True)
+            return StepResult(observation=[], reward=reward, done=True, info=copy.deepcopy(self.info))
         observation: list[Message] = []
         for call in calls:
             function = call.get("function") or {}
@@ -174,7 +199,7 @@ class ToolEnv(MultiTurnEnv):
                 content = f"error: {error_text(exc)}"
             observation.append({"role": "tool", "tool_call_id": call.get("id", ""), "content": content})
         self.messages.extend(observation)
-        return StepResult(observation=observation, reward=0.0, done=False)
+        return StepResult(observation=observation, reward=0.0, done=False, info=copy.deepcopy(self.info))
 
 
 async def gather_limited(coros: list[Awaitable[T]]) -> list[T]:

@@ -8,17 +8,23 @@ only for your own code). Methods:
 method              params                                             result
 ==================  =================================================  ===================================
 ``describe``        ``{}``                                             ``{"kind", "entrypoint", "tools",
-                                                                       "max_turns"}``
+                                                                       "max_turns", "group_reward"}``
 ``tasks``           ``{}``                                             ``[task, ...]``
 ``reward_batch``    ``{"items": [{"task", "completion"}, ...]}``       ``[{"reward", "error"}, ...]``
 ``group_reward``    ``{"task", "completions": [...]}``                 ``[{"reward", "error"}, ...]``
 ``reset``           ``{"task", "episode_id"?}``                        ``{"episode_id", "observation",
-                                                                       "tools", "max_turns"}``
+                                                                       "tools", "max_turns",
+                                                                       "forced_tool_call"}``
 ``step``            ``{"episode_id", "assistant_message"}``            ``StepResult`` as a dict
 ``close_episode``   ``{"episode_id"}``                                 ``null``
 ``tools``           ``{}``                                             ``[schema, ...]``
 ``call_tool``       ``{"name", "arguments", "episode_id"?}``           ``{"content", "error"}``
 ==================  =================================================  ===================================
+
+``describe``'s ``group_reward`` is true when a single-turn class overrides
+:meth:`~envsdk.env.SingleTurnEnv.group_reward`: callers then judge all completions of one prompt in one
+``group_reward`` call. ``reset``'s ``forced_tool_call`` (``{"name", "arguments"}`` or null) is the tool call
+a :class:`~envsdk.env.ToolEnv` wants as the episode's first assistant turn.
 
 Stdlib only: this module is imported by the sandboxed child.
 """
@@ -69,6 +75,13 @@ def load_entrypoint(entrypoint: str) -> type[Environment]:
     return obj
 
 
+def overrides_group_reward(env_cls: type[Environment]) -> bool:
+    """Whether a single-turn class judges groups itself (overrides ``SingleTurnEnv.group_reward``)."""
+    if not issubclass(env_cls, SingleTurnEnv):
+        return False
+    return getattr(env_cls, "group_reward", None) is not SingleTurnEnv.group_reward
+
+
 class EnvHost:
     """Dispatches RPC calls to one environment class (one instance per multi-turn episode)."""
 
@@ -116,6 +129,7 @@ class EnvHost:
             "entrypoint": self.entrypoint,
             "tools": await self.rpc_tools(),
             "max_turns": self.max_turns if issubclass(self.env_cls, MultiTurnEnv) else None,
+            "group_reward": overrides_group_reward(self.env_cls),
         }
 
     async def rpc_tasks(self) -> list[dict[str, Any]]:
@@ -167,12 +181,19 @@ class EnvHost:
             observation = list(await maybe_await(env.reset(task)))
         except Exception as exc:
             raise RemoteError("env_error", f"reset failed: {error_text(exc)}") from exc
+        forced = None
+        if isinstance(env, ToolEnv):
+            try:
+                forced = env.forced_tool_call(task)
+            except Exception as exc:
+                raise RemoteError("env_error", f"forced_tool_call failed: {error_text(exc)}") from exc
         self._episodes[episode_id] = (env, 0)
         return {
             "episode_id": episode_id,
             "observation": observation,
             "tools": env.tool_schemas(),
             "max_turns": self.max_turns,
+            "forced_tool_call": forced,
         }
 
     async def rpc_step(self, episode_id: str, assistant_message: dict[str, Any]) -> dict[str, Any]:

@@ -3,11 +3,13 @@
 
 A policy is any ``generate(messages, tools) -> assistant_message`` callable; :func:`openai_policy` makes
 one from an ``openai.OpenAI`` client, so episodes can be played against any OpenAI-compatible endpoint.
-The trainer drives the same RPC methods with its own batched generation.
+The trainer drives the same RPC methods with its own batched generation. When ``reset`` answers with a
+``forced_tool_call``, that call is the episode's first assistant turn (the policy writes the rest).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -39,9 +41,13 @@ def run_episode(runner: Runner, task: dict[str, Any], policy: Policy, *, max_tur
     limit = min(max_turns, opened.get("max_turns") or max_turns)
     total = 0.0
     info: dict[str, Any] = {}
+    forced = opened.get("forced_tool_call")
     for turn in range(1, limit + 1):
         try:
-            assistant = policy(messages, tools)
+            if turn == 1 and forced:
+                assistant = forced_assistant_message(forced)
+            else:
+                assistant = policy(messages, tools)
         except Exception as exc:
             runner.call("close_episode", {"episode_id": episode_id})
             return EpisodeResult(messages, None, turn - 1, StopReason.ERROR, error=f"policy failed: {exc}")
@@ -61,6 +67,20 @@ def run_episode(runner: Runner, task: dict[str, Any], policy: Policy, *, max_tur
             return EpisodeResult(messages, total, turn, reason, info=info)
     runner.call("close_episode", {"episode_id": episode_id})
     return EpisodeResult(messages, total, limit, StopReason.MAX_TURNS, info=info)
+
+
+def forced_assistant_message(call: dict[str, Any], call_id: str = "call_1_0") -> Message:
+    """The assistant turn that makes the forced tool call ``{"name", "arguments"}`` (OpenAI's shape)."""
+    arguments = call.get("arguments") or {}
+    function = {
+        "name": str(call["name"]),
+        "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+    }
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": call_id, "type": "function", "function": function}],
+    }
 
 
 def run_single_turn(

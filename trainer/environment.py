@@ -13,12 +13,17 @@ the upload with ``envsdk.archive.safe_extract``). :class:`EnvironmentSession` ow
   the environment's messages (user replies, tool results) get ``env_mask`` 0 so only the model's own tokens
   carry loss. Tool calls are parsed from the model's ``<tool_call>`` blocks and executed by the
   environment's ``step`` inside the sandbox. The episode's total reward reaches GRPO through
-  :meth:`EnvironmentSession.episode_reward_func`.
+  :meth:`EnvironmentSession.episode_reward_func`. When ``reset`` names a ``forced_tool_call`` (a tool
+  package with ``force_first_tool_call`` in its config), that call is the episode's first assistant turn,
+  rendered by the chat template as the model would write it and masked out of the loss (``env_mask`` 0:
+  the policy did not sample it); the model writes every later turn.
 
 Failures are data: an item or an episode that raises scores 0 and is counted (``episode_failures``);
 the job goes on. When every call of :data:`FAIL_AFTER` batches in a row failed, the environment is broken
 and the job fails with ``environment_error`` naming the last cause. Episode metrics (``turns_mean``,
-``tool_calls_mean``, ``episode_failures``) join the job's ``metrics`` events.
+``tool_calls_mean``, ``episode_failures``) join the job's ``metrics`` events, and so do the numbers an
+environment reports under its last step's ``info["metrics"]`` (names with a ``/``, such as
+``tools/sandboxed_fraction``), each averaged over the episodes that reported it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ logger = logging.getLogger(__name__)
 FAIL_AFTER = 3
 """Consecutive batches in which every call failed before the job fails with ``environment_error``."""
 MULTI_TURN_KINDS = ("multi_turn", "tool")
+RESERVED_METRIC_PREFIXES = ("rewards/", "completions/", "sampling/", "clip_ratio/")
+"""Metric names of the trainer itself that an environment's ``info["metrics"]`` may not shadow."""
 
 
 @dataclass
@@ -58,6 +65,8 @@ class Episode:
     tool_calls: int = 0
     done: bool = False
     error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    forced_tool_call: dict[str, Any] | None = None
 
 
 class EnvironmentSession:
@@ -186,6 +195,8 @@ class EnvironmentSession:
             trainer._log_metric("turns_mean", sum(e.turns for e in episodes) / n)
             trainer._log_metric("tool_calls_mean", sum(e.tool_calls for e in episodes) / n)
             trainer._log_metric("episode_failures", float(len(failures)))
+            for name, value in info_metrics(episodes).items():
+                trainer._log_metric(name, value)
             self._batch_done(len(episodes), len(failures), next((e.error for e in failures), None))
             return {
                 "prompt_ids": [e.prompt_ids for e in episodes],
@@ -211,10 +222,14 @@ class EnvironmentSession:
                 if not ep.messages:
                     raise ValueError("reset returned no messages")
                 ep.prompt_ids = _template_ids(tokenizer, ep.messages, opened.get("tools") or None)
+                ep.forced_tool_call = opened.get("forced_tool_call") or None
             except (SandboxError, ValueError, KeyError, TypeError) as exc:
                 ep.error = f"reset failed: {exc}"
                 ep.done = True
                 ep.prompt_ids = _template_ids(tokenizer, list(ep.task.get("messages") or []), None)
+                continue
+            if ep.forced_tool_call:
+                self._forced_turn(ep, opened.get("tools") or None, budget, tokenizer)
         for _ in range(self.max_turns):
             active = [ep for ep in episodes if not ep.done]
             if not active:
@@ -235,13 +250,38 @@ class EnvironmentSession:
                 ep.env_mask = [0]
         return episodes
 
-    def _advance(self, ep: Episode, ids: list[int], budget: int, tokenizer: Any) -> None:
-        """Add one model turn to the episode and answer it with the environment's ``step``."""
+    def _forced_turn(
+        self, ep: Episode, tools: list[dict[str, Any]] | None, budget: int, tokenizer: Any
+    ) -> None:
+        """Play the episode's forced first tool call as its first assistant turn (tokens masked out)."""
+        from envsdk.rollout import forced_assistant_message
+
+        assert ep.forced_tool_call is not None
+        assistant = forced_assistant_message(ep.forced_tool_call)
+        ids = _assistant_turn_ids(tokenizer, ep.messages, tools, ep.forced_tool_call)
+        if len(ids) >= budget:  # no room for the call and an answer: let the model write the turn instead
+            logger.warning("forced tool call of %d tokens does not fit a budget of %d", len(ids), budget)
+            return
+        self._advance(ep, ids, budget, tokenizer, assistant=assistant, trained=False)
+
+    def _advance(
+        self,
+        ep: Episode,
+        ids: list[int],
+        budget: int,
+        tokenizer: Any,
+        *,
+        assistant: dict[str, Any] | None = None,
+        trained: bool = True,
+    ) -> None:
+        """Add one assistant turn (sampled, or given as ``assistant`` with ``trained=False``) to the
+        episode and answer it with the environment's ``step``."""
         ep.completion_ids += ids
-        ep.env_mask += [1] * len(ids)
+        ep.env_mask += [1 if trained else 0] * len(ids)
         ep.turns += 1
         finished = bool(ids) and ids[-1] in _stop_ids(tokenizer)
-        assistant = _assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
+        if assistant is None:
+            assistant = _assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
         ep.messages.append(assistant)
         if not finished:  # ran out of completion budget mid-turn: the episode is truncated
             ep.done = True
@@ -254,6 +294,8 @@ class EnvironmentSession:
             return
         ep.tool_calls += len(assistant.get("tool_calls") or [])
         ep.reward += float(step.get("reward") or 0.0)
+        if step.get("info"):
+            ep.info = dict(step["info"])
         if step.get("error"):
             ep.error, ep.done = str(step["error"]), True
             return
@@ -280,6 +322,21 @@ class EnvironmentSession:
 
 
 # -- helpers -----------------------------------------------------------------------------------------
+
+
+def info_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Numbers under the episodes' ``info["metrics"]``, each averaged over the episodes reporting it."""
+    values: dict[str, list[float]] = {}
+    for ep in episodes:
+        metrics = ep.info.get("metrics")
+        if not isinstance(metrics, dict):
+            continue
+        for name, value in metrics.items():
+            if "/" not in str(name) or str(name).startswith(RESERVED_METRIC_PREFIXES):
+                continue
+            if isinstance(value, int | float) and value == value:  # numbers and bools, not NaN
+                values.setdefault(str(name), []).append(float(value))
+    return {name: sum(v) / len(v) for name, v in values.items()}
 
 
 def _row(x: dict[str, Any]) -> dict[str, Any]:
@@ -324,6 +381,29 @@ def _template_ids(
         messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     return list(ids)
+
+
+def _assistant_turn_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, call: dict[str, Any]
+) -> list[int]:
+    """Tokens of an assistant turn making tool call ``call`` as the chat template renders it after the
+    generation prompt, up to and including its end-of-turn token."""
+    arguments = call.get("arguments") or {}
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments or "{}")
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": arguments}}],
+    }
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template([*messages, turn], tools=tools, tokenize=False)
+    if not full.startswith(prompt):
+        raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
+    ids = list(tokenizer.encode(full[len(prompt) :], add_special_tokens=False))
+    stops = _stop_ids(tokenizer)
+    end = next((i for i, t in enumerate(ids) if t in stops), len(ids) - 1)
+    return ids[: end + 1]
 
 
 def _assistant_message(text: str, turn: int) -> dict[str, Any]:

@@ -66,7 +66,10 @@ def test_async_reward_and_group_reward():
         assert runner.reward_batch([{"task": {}, "completion": "abc"}]) == [{"reward": 3.0, "error": None}]
         ranked = runner.call("group_reward", {"task": {}, "completions": ["aaa", "a", "aa"]})
     assert [r["reward"] for r in ranked] == [1.0, 0.0, 0.5]
+    with InProcessRunner(AsyncRanked) as runner:  # describe tells callers to judge whole groups
+        assert runner.describe()["group_reward"] is True
     with InProcessRunner(Exact) as runner:  # default group_reward: reward of each
+        assert runner.describe()["group_reward"] is False
         default = runner.call("group_reward", {"task": {"answer": "x"}, "completions": ["x", "y"]})
     assert [r["reward"] for r in default] == [1.0, 0.0]
 
@@ -94,6 +97,7 @@ def test_multi_turn_episode_state_per_instance_and_max_turns():
             "entrypoint": f"{__name__}:Counter",
             "tools": [],
             "max_turns": 3,
+            "group_reward": False,
         }
         a = runner.call("reset", {"task": {}})
         b = runner.call("reset", {"task": {}})
@@ -241,3 +245,43 @@ def test_envsdk_imports_without_torch_or_pydantic():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+class Meter(Shop):
+    @tool
+    def weigh(self, item: str) -> str:
+        """Weigh some fruit.
+
+        Args:
+            item: Which fruit.
+        """
+        self.info["metrics"] = {"tools/weighed": self.info.get("metrics", {}).get("tools/weighed", 0) + 1}
+        return f"{item}: 120 g"
+
+
+def test_forced_first_tool_call_opens_the_episode_and_info_reaches_every_step():
+    task = {
+        "messages": [{"role": "user", "content": "How heavy is a pear?"}],
+        "answer": "120",
+        "tool_call": {"name": "weigh", "arguments": {"item": "pear"}},
+    }
+    policy_calls = []
+
+    def policy(messages, tools):
+        policy_calls.append(list(messages))
+        return {"role": "assistant", "content": "120 g"}
+
+    with InProcessRunner(Meter) as runner:  # not asked for: the task's tool_call is not used
+        assert runner.call("reset", {"task": task})["forced_tool_call"] is None
+    with InProcessRunner(Meter, {"force_first_tool_call": True}) as runner:
+        opened = runner.call("reset", {"task": task})
+        assert opened["forced_tool_call"] == {"name": "weigh", "arguments": {"item": "pear"}}
+        result = run_episode(runner, task, policy)
+        untooled = runner.call("reset", {"task": {"messages": task["messages"]}})
+        assert untooled["forced_tool_call"] is None  # a task without a tool_call plays as usual
+    assert result.stop_reason is StopReason.DONE and result.reward == 1.0 and result.turns == 2
+    forced, tool_answer = result.messages[1], result.messages[2]
+    assert forced["tool_calls"][0]["function"] == {"name": "weigh", "arguments": '{"item": "pear"}'}
+    assert tool_answer == {"role": "tool", "tool_call_id": "call_1_0", "content": "pear: 120 g"}
+    assert len(policy_calls) == 1 and policy_calls[0][-1] == tool_answer  # the model wrote only turn 2
+    assert result.info == {"metrics": {"tools/weighed": 1}}

@@ -2,7 +2,8 @@
 
 The example packages (single-turn, multi-turn, tools) train a few GRPO steps in their sandbox; a package
 that fails some calls keeps training with the failures counted; one that fails every call fails the job
-with ``environment_error`` naming the cause.
+with ``environment_error`` naming the cause. A package that judges groups gets all completions of one
+prompt in one call; the calculator's forced tool calls run in the sandbox and say so in the metrics.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 import pytest
 
 from tests.trainer.conftest import REPO, lora_tensors, make_spec, run_trainer
+from trainer.config import TrainerSpec
+from trainer.data import ITEM_COLUMN
+from trainer.environment import EnvironmentSession
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +58,13 @@ def write_package(root: Path, body: str, *, kind: str = "SingleTurnEnv", timeout
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "guess_number", "calculator"])
-def test_example_environment_trains(tiny: Path, tmp_path: Path, name: str) -> None:
-    job = run_trainer(env_spec(tmp_path, tiny, EXAMPLES / name, rows_of(name)))
+def test_example_environment_trains(
+    tiny: Path, tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a secret in the trainer's own environment, which no environment code may see
+    monkeypatch.setenv("TUNEGATE_DATABASE_URL", "postgresql://tunegate:hunter2@db/tunegate")
+    config = {"force_first_tool_call": True} if name == "calculator" else {}
+    job = run_trainer(env_spec(tmp_path, tiny, EXAMPLES / name, rows_of(name), **config))
     assert job.rc == 0, job.stderr[-3000:]
     started = [e["message"] for e in job.of("message") if e["message"].startswith("Environment")]
     assert started and name in started[0]
@@ -69,6 +78,9 @@ def test_example_environment_trains(tiny: Path, tmp_path: Path, name: str) -> No
             assert "turns_mean" not in data
         else:
             assert 1.0 <= data["turns_mean"] <= 6 and data["tool_calls_mean"] >= 0
+        if name == "calculator":  # every episode opens with the forced call, run by the sandboxed tool
+            assert data["tool_calls_mean"] >= 1.0 and data["turns_mean"] >= 1.0
+            assert data["tools/calls"] >= 1.0 and data["tools/sandboxed_fraction"] == 1.0
     if name == "arithmetic":  # shaped rewards: any digit earns 0.1, so rewards differ and the model learns
         assert any(m["data"]["reward_mean"] > 0 for m in metrics)
         assert_trained(job.of("result")[0]["adapter_path"])
@@ -149,3 +161,52 @@ def test_python_grader_rewards_come_from_the_sandbox(tiny: Path, tmp_path: Path)
     metrics = [m["data"] for m in job.of("metrics")]
     assert len(metrics) == 2
     assert all(d["grader_error_rate"] == 0 and 0 < d["rewards/length"] <= 1 for d in metrics)
+
+
+LONGEST = (
+    "class Env(SingleTurnEnv):\n"
+    "    def group_reward(self, task, completions):\n"
+    "        lengths = [len(c if isinstance(c, str) else c[-1]['content']) for c in completions]\n"
+    "        best = lengths.index(max(lengths))\n"
+    "        return [1.0 if i == best else 0.0 for i in range(len(completions))]\n"
+)
+
+
+def test_group_reward_judges_each_prompt_s_completions_together(tiny: Path, tmp_path: Path) -> None:
+    package = write_package(tmp_path / "longest", LONGEST)
+    spec = TrainerSpec.from_dict(
+        {
+            "job_id": "ftjob-group",
+            "method": "reinforcement",
+            "base_model": str(tiny),
+            "training_file": str(tmp_path / "unused.jsonl"),
+            "output_dir": str(tmp_path / "out"),
+            "environment": {"package_dir": str(package), "config": {}},
+        }
+    )
+    session = EnvironmentSession(spec)
+    try:
+        assert session.uses_group_reward  # describe says the class overrides group_reward
+        a, b = ({"messages": [{"role": "user", "content": q}]} for q in ("a?", "b?"))
+        # GRPO's groups are consecutive: 3 completions of a, then 2 of b
+        completions = ["xx", "xxxxx", "x", "yyyy", "y"]
+        rows = [json.dumps(t) for t in (a, a, a, b, b)]
+        logged: dict[str, float] = {}
+        reward = session.reward_func()
+        rewards = reward([None] * 5, completions, **{ITEM_COLUMN: rows, "log_metric": logged.__setitem__})
+        assert rewards == [0.0, 1.0, 0.0, 1.0, 0.0]  # the longest of each group, not of the batch
+        assert logged["episode_failures"] == 0
+        messages = [[{"role": "assistant", "content": c}] for c in ("aaa", "a", "aaaa", "aa")]
+        assert reward([None] * 4, messages, **{ITEM_COLUMN: [rows[0]] * 4}) == [0.0, 0.0, 1.0, 0.0]
+    finally:
+        session.close()
+
+    # through a real run: in every group of 2 exactly one completion scores 1, so every step's mean is 0.5
+    (tmp_path / "run").mkdir()
+    job = run_trainer(env_spec(tmp_path / "run", tiny, package, rows_of("arithmetic")[:4]))
+    assert job.rc == 0, job.stderr[-3000:]
+    metrics = [m["data"] for m in job.of("metrics")]
+    assert len(metrics) == 3
+    for data in metrics:
+        assert data["rewards/environment"] == pytest.approx(0.5) and data["episode_failures"] == 0
+        assert data["reward_std"] > 0
