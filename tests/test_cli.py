@@ -185,6 +185,7 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     text = out.stdout.replace("\n", "")
     assert "fine-tuned model: ft:tiny-chat:" in text
+    assert "(rewards from the environment)" in text  # the example environment, not the fallback grader
     assert (data_dir / "quickstart" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert (data_dir / "admin_key").exists() and "the stack was stopped" in text
     assert not stack_ready(f"http://127.0.0.1:{port}")
