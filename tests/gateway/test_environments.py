@@ -124,7 +124,9 @@ def test_example_environment_job_succeeds(
 ) -> None:
     env_file = upload_package(tenant, EXAMPLES / name, tmp_path)
     assert tenant.client.files.retrieve(env_file).purpose == "environment"
-    job = create_job(tenant, env_file, upload_tasks(tenant, tasks_of(name)))
+    # the calculator's episodes open with the task's tool call, so its tool runs during training
+    config = {"force_first_tool_call": True} if name == "calculator" else {}
+    job = create_job(tenant, env_file, upload_tasks(tenant, tasks_of(name)), **config)
     done = wait_for(tenant, job.id)
     assert done.status == "succeeded", done.error
     assert done.fine_tuned_model and done.trained_tokens and done.trained_tokens > 0
@@ -137,6 +139,10 @@ def test_example_environment_job_succeeds(
             assert "turns_mean" not in data
         else:  # episodes of one or more turns, each turn answered by the environment in its sandbox
             assert 1.0 <= data["turns_mean"] <= 6.0 and data["tool_calls_mean"] >= 0.0
+        if name == "calculator":  # tool calls were made, each inside the sandbox (non-root uid, own PID
+            # namespace, none of the worker's TUNEGATE_* settings such as the database URL visible)
+            assert data["tool_calls_mean"] >= 1.0 and data["tools/calls"] >= 1.0
+            assert data["tools/sandboxed_fraction"] == 1.0
 
 
 def test_environment_run_scores_and_runs_tools_in_the_sandbox(
