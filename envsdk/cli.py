@@ -159,6 +159,8 @@ def cmd_test(args: argparse.Namespace) -> int:
                 rewards.append(result.reward)
                 row: dict[str, Any] = {"task": index, "reward": result.reward, "turns": result.turns}
                 row.update(stop_reason=str(result.stop_reason), error=result.error)
+                if kind != "single_turn":
+                    row["tool_calls"] = sum(len(m.get("tool_calls") or []) for m in result.messages)
                 if args.verbose:
                     row["messages"] = result.messages
                 print(json.dumps(row))
