@@ -69,7 +69,15 @@ def run(opts: Options) -> dict[str, Any]:
     try:
         upstream, upstream_url = start_upstream(work / "upstream.log", load_core)
         procs.append(upstream)
-        settings = bench_settings(services, work / "data", upstreams=[upstream_url])
+        # Limits and metering on as deployed (every request takes from its key's buckets), with per-minute
+        # limits high enough that the load itself is never refused.
+        settings = bench_settings(
+            services,
+            work / "data",
+            upstreams=[upstream_url],
+            default_requests_per_minute=1_000_000_000,
+            default_tokens_per_minute=1_000_000_000_000,
+        )
         gateway = start_gateway(settings, work / "gateway.log", server_core)
         procs.append(gateway)
         gateway_url = f"http://127.0.0.1:{settings.port}"

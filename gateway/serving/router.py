@@ -1,17 +1,22 @@
 """Routes `POST /v1/chat/completions` and `POST /v1/completions`: auth, resolve the model, proxy.
 
-The hot path takes its resources and principal without FastAPI's dependency solver: synchronous
-dependencies run in a worker thread per request, a thread handoff that cost more CPU than the whole proxy.
+The hot path is a plain ASGI handler, `proxy_asgi`: the request middleware calls it for these two paths
+before FastAPI's router (no routing, dependency solving, request or response objects per call), and the
+FastAPI routes below delegate to it as well, so both ways answer the same. Errors get the same OpenAI
+envelope the app's handlers give; a client that goes away cancels the request and its upstream call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway.deps import Resources
+from gateway.errors import APIError, error_response, map_infrastructure_error
 from gateway.serving import service
 from gateway.serving.protocol import ProxyRequest
 from gateway.tenancy.keys import bearer_token
@@ -20,23 +25,113 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["serving"])
 
+PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+"""The paths `proxy_asgi` serves (for `POST`)."""
 
-async def _proxy(path: str, request: Request) -> Response:
-    res: Resources = request.app.state.resources
-    who = await res.auth.authenticate(bearer_token(request.headers.get("authorization")))
-    state = service.serving_state(res)
-    proxy = ProxyRequest.parse(await request.body())
-    target = await service.resolve(state, res.pool, who, proxy.model)
-    if proxy.stream:
-        return await service.stream(state, who, path, proxy, target)
-    return await service.complete(state, request, who, path, proxy, target)
+
+class _Exchange:
+    """What the disconnect watch and the handler share about one request."""
+
+    __slots__ = ("started", "finished", "disconnected")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+
+
+async def _watch(receive: Receive, task: asyncio.Task[object], ex: _Exchange) -> None:
+    """Cancel the handler's task when the client goes away before the answer is complete."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+    if not ex.finished:
+        ex.disconnected = True
+        task.cancel()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    message = await receive()
+    body = message.get("body", b"")
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError("client disconnected")
+        body += message.get("body", b"")
+    return body
+
+
+def _authorization(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve one proxied completion as an ASGI app (`scope["path"]` is one of `PROXY_PATHS`)."""
+    ex = _Exchange()
+
+    async def tracked_send(message: Message) -> None:
+        ex.started = True
+        await send(message)
+
+    watcher: asyncio.Task[None] | None = None
+    try:
+        res: Resources = scope["app"].state.resources
+        who = await res.auth.authenticate(bearer_token(_authorization(scope)))
+        state = service.serving_state(res)
+        body = await _read_body(receive)
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.create_task(_watch(receive, task, ex))
+        proxy = ProxyRequest.parse(body)
+        target = await service.resolve(state, res.pool, who, proxy.model)
+        if proxy.stream:
+            await service.stream(state, tracked_send, who, scope["path"], proxy, target)
+        else:
+            await service.complete(state, tracked_send, who, scope["path"], proxy, target)
+    except asyncio.CancelledError:
+        if not ex.disconnected:
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        logger.debug("client left %s before the answer was complete", scope["path"])
+    except Exception as exc:
+        if ex.started:
+            raise
+        if not isinstance(exc, APIError):
+            mapped = map_infrastructure_error(exc)
+            if mapped is None:
+                logger.exception("unhandled error on POST %s", scope["path"])
+                mapped = APIError("The server had an error while processing your request.")
+            else:
+                logger.warning("POST %s: %s", scope["path"], mapped.message)
+            exc = mapped
+        await error_response(exc)(scope, receive, send)
+    finally:
+        ex.finished = True
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+
+
+class _Proxied(Response):
+    """A response that is `proxy_asgi` itself (for the FastAPI routes, which have not read the body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await proxy_asgi(scope, receive, send)
 
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(request: Request) -> Response:
-    return await _proxy("/v1/chat/completions", request)
+    return _Proxied()
 
 
 @router.post("/completions", response_model=None)
 async def completions(request: Request) -> Response:
-    return await _proxy("/v1/completions", request)
+    return _Proxied()

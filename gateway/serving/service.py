@@ -1,7 +1,9 @@
 """Serving logic: which model a request names, which engine serves it, and the proxying itself.
 
 The hot path makes no database query for a model seen in the last few seconds (`ModelCache`), holds no
-lock, and does no blocking work: one orjson parse of the body, one of each SSE line. Rate limits and the
+lock, and does no blocking work: one orjson parse of the body, one of each SSE line. It speaks ASGI
+directly (`complete` and `stream` send on the server's `send`): no response objects, no task per request
+beyond the router's disconnect watch. Rate limits and the
 budget are checked (Redis, one script each) before the upstream call and settled after it; usage is queued
 for a batched write, never written on the request path.
 """
@@ -11,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import httpx
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.types import Send
 
 from gateway.deps import Resources
 from gateway.errors import APIError, ServiceUnavailable, UpstreamError, not_found
@@ -29,14 +29,19 @@ from gateway.serving.protocol import (
     rewrite_response,
     upstream_error,
 )
-from gateway.serving.upstreams import ServingState, Target, Upstream
+from gateway.serving.upstreams import (
+    ServingState,
+    Target,
+    Upstream,
+    UpstreamBroken,
+    UpstreamResponse,
+    UpstreamUnreachable,
+)
 from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
 from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 GET_MODEL = "SELECT base_model, adapter_path FROM models WHERE id = $1 AND organization_id = $2"
 GET_CHECKPOINT = """
@@ -144,30 +149,18 @@ async def unload_adapter_everywhere(
 
 
 # ---------------------------------------------------------------------------------------------- proxy
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it (and so the upstream request) if the client goes away first."""
-    task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise asyncio.CancelledError("client disconnected")
-
-
-def _is_unknown_model(resp: httpx.Response) -> bool:
-    return resp.status_code == 404 and b"model" in resp.content[:2000].lower()
+def _is_unknown_model(status: int, raw: bytes) -> bool:
+    return status == 404 and b"model" in raw[:2000].lower()
 
 
 async def _open(
-    state: ServingState, path: str, target: Target, body: bytes, *, stream: bool
-) -> tuple[Upstream, httpx.Response]:
+    state: ServingState, path: str, target: Target, body: bytes
+) -> tuple[Upstream, UpstreamResponse]:
     """Send the request to the best engine; the next one when an engine cannot be reached.
 
-    Returns the engine and its response (opened, for streams) with a status below 400; raises the
-    engine's error otherwise, or 503 when no engine answers.
+    Returns the engine (its `in_flight` counting this request until the caller lowers it) and its response,
+    status and headers read, with a status below 400; raises the engine's error otherwise, or 503 when no
+    engine answers.
     """
     adapter = target.model_id if target.adapter_path is not None else None
     last: Exception | None = None
@@ -175,18 +168,16 @@ async def _open(
         for attempt in range(2):
             up.in_flight += 1
             try:
-                await state.ensure_loaded(up, target)
-                req = state.client.build_request(
-                    "POST", up.url + path, content=body, headers={"content-type": "application/json"}
-                )
-                resp = await state.client.send(req, stream=stream)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                if adapter is not None and adapter not in up.loaded:
+                    await state.ensure_loaded(up, target)
+                resp = await up.http.post(path, body)
+            except (UpstreamUnreachable, httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 up.in_flight -= 1
                 up.mark_down()
                 last = exc
                 logger.warning("engine %s unreachable: %s", up.url, exc)
                 break
-            except httpx.HTTPError as exc:
+            except (UpstreamBroken, httpx.HTTPError) as exc:
                 up.in_flight -= 1
                 logger.warning("engine %s failed: %s", up.url, exc)
                 raise ServiceUnavailable(
@@ -195,16 +186,20 @@ async def _open(
             except BaseException:
                 up.in_flight -= 1
                 raise
-            if resp.status_code < 400:
+            if resp.status < 400:
                 return up, resp
             up.in_flight -= 1
-            raw = await resp.aread()
-            await resp.aclose()
-            if adapter is not None and attempt == 0 and _is_unknown_model(resp):
+            try:
+                raw = await resp.read()
+            except UpstreamBroken:
+                raw = b""
+            finally:
+                await resp.aclose()
+            if adapter is not None and attempt == 0 and _is_unknown_model(resp.status, raw):
                 # The engine lost the adapter (restart, eviction by name, another gateway unloaded it).
                 up.loaded.discard(adapter)
                 continue
-            raise upstream_error(resp.status_code, raw)
+            raise upstream_error(resp.status, raw)
     logger.warning("no engine of %s reachable: %s", target.base_model, last)
     raise ServiceUnavailable(
         f"The inference engine for model '{target.model_id}' is unavailable. Please retry shortly.",
@@ -234,7 +229,10 @@ async def _meter(
     started: float,
     status: int,
 ) -> None:
-    """After the answer: one usage row (batched, off the request path) and the guard settled."""
+    """After the answer: one usage row (batched, off the request path) and the guard settled.
+
+    Safe to call from a `finally` of a cancelled request: the settling runs shielded from cancellation.
+    """
     rec = state.usage.record(
         who.organization_id,
         who.api_key_id,
@@ -244,112 +242,135 @@ async def _meter(
         started=started,
         status=status,
     )
-    if admission is not None and state.guard is not None:
-        await state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
+    if admission is not None and state.guard is not None and not admission.settled:
+        await asyncio.shield(state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens))
+
+
+def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    if admission is None or not admission.headers:
+        return extra
+    return extra + [(k.encode(), v.encode()) for k, v in admission.headers.items()]
 
 
 async def complete(
-    state: ServingState, request: Request, who: Principal, path: str, proxy: ProxyRequest, target: Target
-) -> Response:
-    """A non-streamed completion: the engine's JSON with `model` rewritten."""
+    state: ServingState, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+) -> None:
+    """A non-streamed completion, sent on `send`: the engine's JSON with `model` rewritten."""
     started = time.time()
     admission = await _admit(state, who, proxy, target)
-
-    async def work() -> Response:
-        status, usage = 499, None
-        try:
-            up, resp = await _open(
-                state, path, target, proxy.upstream_body(target.engine_model), stream=False
-            )
-            up.in_flight -= 1
-            out, usage = rewrite_response(resp.content, proxy.model)
-            status = resp.status_code
-            headers = admission.headers if admission is not None else None
-            return Response(out, status_code=resp.status_code, media_type="application/json", headers=headers)
-        except APIError as exc:
-            status = exc.status
-            raise
-        finally:
-            await asyncio.shield(
-                _meter(state, who, proxy, target, admission, usage, started=started, status=status)
-            )
-
-    return await _until_disconnect(request, work())
-
-
-async def stream(
-    state: ServingState, who: Principal, path: str, proxy: ProxyRequest, target: Target
-) -> Response:
-    """A streamed completion: the first upstream chunk is read before the 200 is committed."""
-    started = time.time()
-    admission = await _admit(state, who, proxy, target)
+    status, usage = 499, None
     try:
-        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model), stream=True)
-    except BaseException as exc:
-        status = exc.status if isinstance(exc, APIError) else 499
-        await asyncio.shield(
-            _meter(state, who, proxy, target, admission, None, started=started, status=status)
-        )
-        raise
-    rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
-    lines = resp.aiter_lines()
-    try:
-        first = await anext(lines, None)
-    except BaseException as exc:
-        up.in_flight -= 1
-        await resp.aclose()
-        await asyncio.shield(_meter(state, who, proxy, target, admission, None, started=started, status=503))
-        if isinstance(exc, httpx.HTTPError):
-            raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
-        raise
-
-    async def body() -> AsyncIterator[bytes]:
-        chunks = 0
-        status = 499  # until the stream ends, the client may go away
+        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model))
         try:
-            if first is not None:
-                out = rewriter.line(first.encode())
-                if out is not None:
-                    yield out + b"\n"
-                async for line in lines:
-                    out = rewriter.line(line.encode())
-                    if out is not None:
-                        chunks += out.startswith(b"data: {")
-                        yield out + b"\n"
-            status = 200
-        except httpx.HTTPError as exc:
-            logger.warning("stream from %s broke: %s", up.url, exc)
-            status = 502
-            yield b"\n" + error_event(
-                UpstreamError(
-                    502,
-                    f"The inference engine stream failed: {exc}",
-                    type_="server_error",
-                    param=None,
-                    code="upstream_error",
-                )
-            )
-            rewriter.saw_done = True
+            raw = await resp.read()
+        except UpstreamBroken as exc:
+            logger.warning("answer from %s broke: %s", up.url, exc)
+            raise ServiceUnavailable(f"The inference engine failed while answering: {exc}") from None
         finally:
             up.in_flight -= 1
             await resp.aclose()
-            usage = rewriter.usage
-            if usage is None:
-                # No usage chunk (the client left early or the stream broke): bill what was sent, about
-                # one token per chunk, and the estimated prompt.
-                usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
-            await asyncio.shield(
-                _meter(state, who, proxy, target, admission, usage, started=started, status=status)
-            )
-        if not rewriter.saw_done:
-            yield b"\ndata: [DONE]\n\n"
+        out, usage = rewrite_response(raw, proxy.model)
+        status = resp.status
+        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(out))]
+        await send({"type": "http.response.start", "status": status, "headers": _headers(admission, head)})
+        await send({"type": "http.response.body", "body": out})
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        await _meter(state, who, proxy, target, admission, usage, started=started, status=status)
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={
-            "cache-control": "no-cache",
-            "x-accel-buffering": "no",
-            **(admission.headers if admission is not None else {}),
-        },
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+async def stream(
+    state: ServingState, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+) -> None:
+    """A streamed completion, sent on `send`: the first upstream chunk is read before the 200 is committed.
+
+    Events are rewritten line by line but sent one upstream chunk at a time (one write per chunk).
+    """
+    started = time.time()
+    admission = await _admit(state, who, proxy, target)
+    try:
+        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model))
+    except BaseException as exc:
+        status = exc.status if isinstance(exc, APIError) else 499
+        await _meter(state, who, proxy, target, admission, None, started=started, status=status)
+        raise
+    rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
+    pieces = resp.chunks()
+    try:
+        first = await anext(pieces, b"")
+    except BaseException as exc:
+        up.in_flight -= 1
+        await resp.aclose()
+        await _meter(state, who, proxy, target, admission, None, started=started, status=503)
+        if isinstance(exc, UpstreamBroken):
+            raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
+        raise
+    await send({"type": "http.response.start", "status": 200, "headers": _headers(admission, SSE_HEADERS)})
+    chunks = 0
+    status = 499  # until the stream ends, the client may go away
+    pending = b""
+    try:
+        piece = first
+        while piece:
+            lines = (pending + piece).split(b"\n")
+            pending = lines.pop()
+            out = []
+            for line in lines:
+                rewritten = rewriter.line(line[:-1] if line.endswith(b"\r") else line)
+                if rewritten is not None:
+                    chunks += rewritten.startswith(b"data: {")
+                    out.append(rewritten)
+            if out:
+                out.append(b"")
+                await send({"type": "http.response.body", "body": b"\n".join(out), "more_body": True})
+            piece = await anext(pieces, b"")
+        if pending:
+            rewritten = rewriter.line(pending)
+            if rewritten is not None:
+                await send({"type": "http.response.body", "body": rewritten + b"\n", "more_body": True})
+        status = 200
+    except UpstreamBroken as exc:
+        logger.warning("stream from %s broke: %s", up.url, exc)
+        status = 502
+        await send(
+            {
+                "type": "http.response.body",
+                "body": b"\n"
+                + error_event(
+                    UpstreamError(
+                        502,
+                        f"The inference engine stream failed: {exc}",
+                        type_="server_error",
+                        param=None,
+                        code="upstream_error",
+                    )
+                ),
+                "more_body": True,
+            }
+        )
+        rewriter.saw_done = True
+    finally:
+        up.in_flight -= 1
+        await resp.aclose()
+        usage = rewriter.usage
+        if usage is None:
+            # No usage chunk (the client left early or the stream broke): bill what was sent, about
+            # one token per chunk, and the estimated prompt.
+            usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
+        await _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+    await send(
+        {
+            "type": "http.response.body",
+            "body": b"" if rewriter.saw_done else b"\ndata: [DONE]\n\n",
+            "more_body": False,
+        }
     )
