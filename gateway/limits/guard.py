@@ -15,6 +15,7 @@ the effective limits as both limit and remaining).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 UNLIMITED = 1_000_000_000
 """Limit and remaining reported for a kind that no bucket limits."""
 KINDS = ("requests", "tokens")
+ADJUST_DELAY_S = 0.01
+"""How long token-bucket corrections wait to be sent together."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,9 @@ class Guard:
         self.pool = pool
         self.buckets = buckets
         self._policies: dict[str, OrgPolicy] = {}
+        self._adjustments: dict[str, tuple[int, int]] = {}
+        """Token-bucket corrections not yet sent: bucket key -> (capacity, tokens to take, negative gives)."""
+        self._flusher: asyncio.Task[None] | None = None
         self.default_key = Limit(
             settings.default_requests_per_minute or None, settings.default_tokens_per_minute or None
         )
@@ -124,6 +130,26 @@ class Guard:
             self._policies.clear()
         self._policies[org_id] = policy
         return policy
+
+    def _queue_adjust(self, key: str, cap: int, delta: int) -> None:
+        """Token-bucket corrections are summed per bucket and sent together a few milliseconds later: one
+        Redis call for many requests instead of one each (two calls per request were a third of the
+        gateway's CPU). A correction only gives back or charges the difference to the estimate."""
+        if delta == 0:
+            return
+        entry = self._adjustments.get(key)
+        self._adjustments[key] = (cap, delta + (entry[1] if entry is not None else 0))
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_adjustments())
+
+    async def _flush_adjustments(self) -> None:
+        try:
+            await asyncio.sleep(ADJUST_DELAY_S)
+        finally:
+            self._flusher = None
+            pending, self._adjustments = self._adjustments, {}
+            if pending and self.buckets is not None:
+                await self.buckets.adjust([(k, cap, delta) for k, (cap, delta) in pending.items() if delta])
 
     def forget(self, org_id: str) -> None:
         """Drop the cached policy of an organisation (its limits or budget changed)."""
@@ -207,8 +233,8 @@ class Guard:
             return
         adm.settled = True
         actual = prompt_tokens + completion_tokens
-        if adm.token_buckets:
-            await self.buckets.adjust([(k, cap, actual - taken) for k, cap, taken in adm.token_buckets])
+        for key, cap, taken in adm.token_buckets:
+            self._queue_adjust(key, cap, actual - taken)
         if adm.budget_key is not None:
             cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
             await self.buckets.settle(adm.budget_key, reserved=adm.reserved_micro, actual=cost)
