@@ -24,6 +24,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "adapters": ("bench.adapters", "Adapters: cold load, first token, throughput with many adapters"),
     "sandbox": ("bench.sandbox", "Sandbox: reward calls per second, sandboxed vs in-process"),
     "metering": ("bench.metering", "Metering"),
+    "training": (
+        "bench.training",
+        "Training overhead: tunegate vs a plain TRL script, success to first token",
+    ),
 }
 """name -> (module, title). `metering` lives in `bench/metering.py` (same `run`/`markdown` contract)."""
 QUICK_NOTE = " in quick mode (smoke sizes, not meaningful)"

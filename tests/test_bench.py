@@ -28,7 +28,7 @@ def _number(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n != "metering"]
+    names = [n for n in BENCHES if n not in ("metering", "training")]  # training: its own test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -94,3 +94,22 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
     for p in s["points"]:
         assert p["calls"]["sandbox"] > 0 and p["calls"]["in_process"] > 0
         assert _number(p["sandbox_vs_in_process"]) and p["same_rewards"] is True
+
+
+def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "training", "--quick", "--results-dir", str(tmp_path)]
+        + ["--markdown", str(tmp_path / "B.md")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert (tmp_path / "latest.json").exists(), proc.stderr[-3000:]
+    t = json.loads((tmp_path / "latest.json").read_text())["benches"]["training"]
+    assert "error" not in t, t.get("traceback")
+    assert t["steps"] == 2 and t["plain_trl"]["steps"] == 2
+    assert _number(t["plain_trl"]["wall_s"]) and _number(t["tunegate"]["wall_s"])
+    assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
+    assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
+    assert "plain TRL" in (tmp_path / "B.md").read_text()
