@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     """Times a job may be started (first run plus re-queues after lost workers) before it fails."""
     stop_grace_s: float = 60.0
     """How long a trainer gets to checkpoint and exit after SIGTERM before it is killed."""
+    budget_check_interval_s: float = 5.0
+    """How often a worker compares a running job's organisation (month-to-date spend plus the run's cost so
+    far) against its monthly budget; over it, the job is paused (resumable once the budget is raised)."""
 
     usage_buffer_rows: int = 100_000
     """Completion usage rows a gateway holds before a flush; when full, new rows are dropped (and counted)."""

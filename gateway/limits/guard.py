@@ -25,8 +25,9 @@ import asyncpg
 from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store
 from gateway.limits.buckets import Buckets, BucketState, bucket_key, month_key, to_micro
+from gateway.limits.budget import month_spend_usd
 from gateway.settings import Settings
-from gateway.usage.pricing import completion_cost, training_cost
+from gateway.usage.pricing import completion_cost
 
 logger = logging.getLogger(__name__)
 
@@ -157,15 +158,7 @@ class Guard:
 
     async def month_spend_micro(self, org_id: str) -> int:
         """Month-to-date spend of an organisation from the database (completions and training)."""
-        completions, training = await store.month_usage(self.pool, org_id=org_id)
-        total = 0.0
-        for r in completions:
-            total += completion_cost(
-                self.settings, r["base_model"], r["prompt_tokens"], r["completion_tokens"]
-            )
-        for r in training:
-            total += training_cost(self.settings, r["base_model"], r["trained_tokens"], r["training_seconds"])
-        return to_micro(total)
+        return to_micro(await month_spend_usd(self.pool, self.settings, org_id=org_id))
 
     # ---- the request path ------------------------------------------------------------------------------
     async def admit(

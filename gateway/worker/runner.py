@@ -1,6 +1,10 @@
 """One training run: prepare the work dir, spawn `python -m trainer run SPEC.json`, turn its events into
 rows, heartbeat, and stop the trainer when the job is cancelled or paused.
 
+Every `budget_check_interval_s` the heartbeat also prices the organisation's month-to-date spend plus this
+attempt's progress (not yet recorded as usage) against its monthly budget; a job that reaches it is paused,
+so its trainer checkpoints and the job resumes from there once the budget is raised.
+
 Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
 step, checkpoints by step, milestones by name.
 """
@@ -29,9 +33,11 @@ import asyncpg
 from gateway.blobstore import BlobStore
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
+from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.models import store as models_store
 from gateway.serving.service import load_adapter_everywhere
 from gateway.settings import Settings, settings_env
+from gateway.usage.pricing import training_cost
 from gateway.worker import store
 
 logger = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ TRAINER_HYPERPARAMETERS = (
     "lora_alpha",
 )
 _PR_SET_PDEATHSIG = 1
+BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
 
 
 def _die_with_parent() -> None:
@@ -99,6 +106,8 @@ class JobRun:
         self.start_step: int = job["current_step"] or 0
         self.tokens_seen: int | None = None
         self.usage_recorded = False
+        self.budget_due = 0.0
+        """Monotonic time of the next budget check."""
 
     # ---- preparation -------------------------------------------------------------------------
     async def _file_path(self, file_id: str) -> Path:
@@ -249,6 +258,53 @@ class JobRun:
             if status != "running" and self.stop_reason is None:
                 logger.info("job %s is %s: stopping its trainer", self.job_id, status)
                 await self.stop(status or "lost")
+            elif status == "running" and self.stop_reason is None and time.monotonic() >= self.budget_due:
+                self.budget_due = time.monotonic() + self.settings.budget_check_interval_s
+                try:
+                    await self.check_budget()
+                except (OSError, asyncpg.PostgresError) as exc:
+                    logger.warning("job %s: budget check failed: %s", self.job_id, exc)
+
+    async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
+        """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
+        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        tokens = max(0, (self.tokens_seen or 0) - earlier)
+        seconds = 0.0
+        if self.started_mono is not None and self.progress_mono is not None:
+            seconds = max(0.0, self.progress_mono - self.started_mono)
+        return training_cost(self.settings, self.job["model"], tokens, seconds)
+
+    async def check_budget(self) -> bool:
+        """Pause the job (and stop its trainer) when month-to-date spend plus this attempt's cost reaches the
+        organisation's monthly budget. True when it paused the job."""
+        budget = await monthly_budget_usd(self.pool, org_id=self.org_id)
+        if budget is None:
+            return False
+        spent = await month_spend_usd(self.pool, self.settings, org_id=self.org_id)
+        cost = await self.attempt_cost_usd(self.pool)
+        if spent + cost < budget:
+            return False
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await store.pause_own(conn, job_id=self.job_id, worker_id=self.worker_id)
+            if row is None:
+                return False  # cancelled, paused or taken meanwhile: the next beat sees it
+            await jobs_store.add_event(
+                conn,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                level="warn",
+                message=BUDGET_PAUSED,
+                dedup_key=f"budget_paused:{self.job['attempts']}",
+            )
+        logger.info(
+            "job %s paused: month-to-date $%.6f + this run $%.6f reaches the budget $%.6f",
+            self.job_id,
+            spent,
+            cost,
+            budget,
+        )
+        await self.stop("paused")
+        return True
 
     # ---- events -----------------------------------------------------------------------------------
     async def handle(self, event: dict[str, Any]) -> RunOutcome | None:

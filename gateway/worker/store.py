@@ -48,6 +48,10 @@ UPDATE fine_tuning_jobs
 SET status = 'succeeded', fine_tuned_model = $3, trained_tokens = $4, result_files = $5, finished_at = now(),
     worker_id = NULL, current_step = $6
 WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+# Budget reached: the job this worker runs turns paused (the heartbeat then stops its trainer).
+PAUSE_OWN = """
+UPDATE fine_tuning_jobs SET status = 'paused'
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
 SET_CHECKPOINT = "UPDATE fine_tuning_jobs SET last_checkpoint = $2 WHERE id = $1"
 INSERT_CHECKPOINT = """
 INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_number, metrics,
@@ -96,6 +100,11 @@ async def release(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record 
 
 async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(REQUEUE_OWN, job_id, worker_id)
+
+
+async def pause_own(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
+    """Pause the running job this worker holds (None when it is no longer running here)."""
+    return await conn.fetchrow(PAUSE_OWN, job_id, worker_id)
 
 
 async def fail_own(

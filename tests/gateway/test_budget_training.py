@@ -1,0 +1,104 @@
+"""A training job that reaches its organisation's monthly budget mid-run is paused with a checkpoint (not
+killed), and resumes from that checkpoint once the budget is raised; through the SDK, the admin API and a real
+worker process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gateway.worker.runner import BUDGET_PAUSED
+from tests.gateway.test_training import SFT, all_events, metrics_steps, trainer_processes, upload, wait_for
+from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
+
+pytestmark = pytest.mark.slow
+
+STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def budget_worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    w = WorkerProcess(
+        stack.settings,
+        tmp_path_factory.mktemp("budget-worker") / "worker.log",
+        TUNEGATE_BUDGET_CHECK_INTERVAL_S="1",
+    )
+    yield w
+    w.stop()
+
+
+def _set_budget(admin: Admin, org_id: str, usd: float) -> dict:
+    resp = admin.http.post(f"/v1/admin/organizations/{org_id}/billing", json={"monthly_budget_usd": usd})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _trainer_gone(job_id: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while trainer_processes(job_id):
+        assert time.monotonic() < deadline, "trainer still running"
+        time.sleep(0.2)
+
+
+def test_budget_reached_pauses_then_resume_continues(
+    stack: GatewayServer, budget_worker: WorkerProcess, admin: Admin, tenant: Tenant
+) -> None:
+    jobs = tenant.client.fine_tuning.jobs
+    job = jobs.create(
+        model="tiny-chat",
+        training_file=upload(tenant, SFT),
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 1,
+                    "max_steps": STEPS,
+                    "checkpoint_every": 1000,  # the only checkpoint is the one the pause makes
+                }
+            },
+        },
+    )
+    # The whole run's estimate must fit the budget at create time, so the budget shrinks once it trains.
+    wait_for(tenant, job.id, ("running",), timeout=60)
+    budget = 0.0001  # about 33 trained tokens at the default $3 per million: a few steps
+    _set_budget(admin, tenant.org_id, budget)
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    assert paused.status == "paused", paused.error
+    _trainer_gone(job.id)
+    assert jobs.retrieve(job.id).status == "paused"
+    events = all_events(tenant, job.id)
+    budget_events = [e for e in events if e.message == BUDGET_PAUSED]
+    assert len(budget_events) == 1 and budget_events[0].level == "warn"
+    ckpts = jobs.checkpoints.list(job.id).data
+    assert len(ckpts) == 1, "the pause saved a checkpoint"
+    saved = ckpts[0].step_number
+    steps_before = metrics_steps(tenant, job.id)
+    assert 1 <= saved < STEPS and max(steps_before) == saved
+    # The paused attempt's usage is recorded and puts the month at (or past) the budget.
+    # (written when the worker lets the job go, just after its trainer exits).
+    deadline = time.monotonic() + 15
+    while (
+        admin.http.get(f"/v1/admin/organizations/{tenant.org_id}/billing").json()["month_to_date_usd"]
+        < budget
+    ):
+        assert time.monotonic() < deadline, "the paused attempt's usage was not recorded"
+        time.sleep(0.2)
+
+    # Still over budget: resuming alone would pause again, so the budget is raised first.
+    assert _set_budget(admin, tenant.org_id, 1000.0)["monthly_budget_usd"] == 1000.0
+    assert jobs.resume(job.id).status == "queued"
+    deadline = time.monotonic() + 60
+    while max(metrics_steps(tenant, job.id)) < saved + 3:
+        assert time.monotonic() < deadline, "the resumed job did not progress"
+        assert jobs.retrieve(job.id).status in ("queued", "running")
+        time.sleep(0.3)
+    steps_after = metrics_steps(tenant, job.id)
+    assert steps_after[: len(steps_before)] == steps_before  # earlier steps were not trained again
+    assert steps_after == list(range(1, len(steps_after) + 1))  # it went on from the checkpoint's step
+    messages = [e.message for e in all_events(tenant, job.id)]
+    assert f"Fine-tuning job started (attempt 2), resuming from step {saved}" in messages, messages
+    assert jobs.cancel(job.id).status == "cancelled"
+    _trainer_gone(job.id)
