@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PACKAGES := gateway trainer inference envsdk tunegate
+PACKAGES := gateway trainer inference envsdk tunegate bench
 
 .PHONY: install up quickstart lint format typecheck test test-fast clean
 

@@ -108,7 +108,8 @@ def main() -> None:
         assert settings.admin_key is not None
         admin = Admin(gw.url, settings.admin_key.get_secret_value())
         tenant = admin.tenant("bench")
-        state = gw.server.config.app.state.resources.serving  # type: ignore[attr-defined]
+        app: Any = gw.server.config.app
+        state = app.state.resources.serving
         guard = state.guard
         state.guard = None
         off = asyncio.run(_load(gw.url, tenant.key, args.requests, args.concurrency))
