@@ -11,6 +11,8 @@ method              params                                             result
                                                                        "max_turns", "group_reward"}``
 ``tasks``           ``{}``                                             ``[task, ...]``
 ``reward_batch``    ``{"items": [{"task", "completion"}, ...]}``       ``[{"reward", "error"}, ...]``
+``rewards``         ``{"tasks": [task, ...], "items": [[i, c], ...]}``  ``{"rewards": [float | null, ...],
+                                                                       "errors": [[n, message], ...]}``
 ``group_reward``    ``{"task", "completions": [...]}``                 ``[{"reward", "error"}, ...]``
 ``reset``           ``{"task", "episode_id"?}``                        ``{"episode_id", "observation",
                                                                        "tools", "max_turns",
@@ -20,6 +22,11 @@ method              params                                             result
 ``tools``           ``{}``                                             ``[schema, ...]``
 ``call_tool``       ``{"name", "arguments", "episode_id"?}``           ``{"content", "error"}``
 ==================  =================================================  ===================================
+
+``rewards`` is ``reward_batch`` in a compact shape, the one the sandbox sends: each distinct task once, each
+item as ``[index into tasks, completion]``, the rewards as one list and only the failed items' messages
+(``n`` is the item's position). Synchronous ``reward`` methods are called in a plain loop; only the
+awaitables that async ones return are gathered on the event loop.
 
 ``describe``'s ``group_reward`` is true when a single-turn class overrides
 :meth:`~envsdk.env.SingleTurnEnv.group_reward`: callers then judge all completions of one prompt in one
@@ -33,7 +40,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import inspect
 import logging
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from envsdk.env import Environment, MultiTurnEnv, SingleTurnEnv, ToolEnv, maybe_await
@@ -146,17 +155,79 @@ class EnvHost:
             raise RemoteError("wrong_kind", f"{self.entrypoint} is {env.kind}, not single_turn")
         return env
 
-    async def _one_reward(self, env: SingleTurnEnv, task: Any, completion: Any) -> dict[str, Any]:
-        try:
-            value = float(await maybe_await(env.reward(task, completion)))
-            return RewardResult(value).to_dict()
-        except Exception as exc:
-            return RewardResult(None, error_text(exc)).to_dict()
+    @staticmethod
+    def _score_now(
+        env: SingleTurnEnv, pairs: Iterable[tuple[Any, Any]]
+    ) -> tuple[list[float | None], dict[int, str], list[tuple[int, Awaitable[Any]]]]:
+        """Call ``env.reward`` on every ``(task, completion)``: the rewards of sync calls, the errors by
+        position, and the awaitables async calls returned (still to be awaited)."""
+        rewards: list[float | None] = []
+        errors: dict[int, str] = {}
+        pending: list[tuple[int, Awaitable[Any]]] = []
+        reward = env.reward
+        for i, (task, completion) in enumerate(pairs):
+            try:
+                value = reward(task, completion)
+                if inspect.isawaitable(value):
+                    pending.append((i, value))
+                    rewards.append(None)
+                else:
+                    rewards.append(float(value))
+            except Exception as exc:
+                rewards.append(None)
+                errors[i] = error_text(exc)
+        return rewards, errors, pending
+
+    @staticmethod
+    async def _finish(
+        rewards: list[float | None], errors: dict[int, str], pending: list[tuple[int, Awaitable[Any]]]
+    ) -> None:
+        """Await the async rewards together and fill them (or their errors) in."""
+        results = await asyncio.gather(*(value for _, value in pending), return_exceptions=True)
+        for (i, _), result in zip(pending, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result
+                errors[i] = error_text(result)
+                continue
+            try:
+                rewards[i] = float(result)
+            except Exception as exc:
+                errors[i] = error_text(exc)
 
     async def rpc_reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         env = self._single()
-        coros = [self._one_reward(env, item.get("task") or {}, item.get("completion", "")) for item in items]
-        return list(await asyncio.gather(*coros))
+        pairs = ((item.get("task") or {}, item.get("completion", "")) for item in items)
+        rewards, errors, pending = self._score_now(env, pairs)
+        if pending:
+            await self._finish(rewards, errors, pending)
+        if not errors:
+            return [{"reward": r, "error": None} for r in rewards]
+        return [
+            {"reward": None, "error": errors[i]} if i in errors else {"reward": r, "error": None}
+            for i, r in enumerate(rewards)
+        ]
+
+    def rewards(
+        self, tasks: list[Any], items: list[list[Any]], loop: asyncio.AbstractEventLoop
+    ) -> dict[str, Any]:
+        """The ``rewards`` method without a coroutine of its own (``loop`` runs async rewards only)."""
+        env = self._single()
+        rewards, errors, pending = self._score_now(env, ((tasks[t], c) for t, c in items))
+        if pending:
+            loop.run_until_complete(self._finish(rewards, errors, pending))
+        for i in errors:
+            rewards[i] = None
+        return {"rewards": rewards, "errors": [[i, message] for i, message in errors.items()]}
+
+    async def rpc_rewards(self, tasks: list[Any], items: list[list[Any]]) -> dict[str, Any]:
+        env = self._single()
+        rewards, errors, pending = self._score_now(env, ((tasks[t], c) for t, c in items))
+        if pending:
+            await self._finish(rewards, errors, pending)
+        for i in errors:
+            rewards[i] = None
+        return {"rewards": rewards, "errors": [[i, message] for i, message in errors.items()]}
 
     async def rpc_group_reward(self, task: dict[str, Any], completions: list[Any]) -> list[dict[str, Any]]:
         env = self._single()

@@ -30,8 +30,8 @@ import collections
 import json
 import logging
 import os
-import queue
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -53,6 +53,7 @@ STDERR_KEEP = 16 * 1024
 ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
 SANDBOX_PYTHONPATH = "/opt/envsdk"
 _EOF = object()
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 _probe_cache: dict[str, bool] = {}
 
 
@@ -208,7 +209,7 @@ class Sandbox:
         self.uid: int | None = None
         self.info: dict[str, Any] = {}
         self._proc: subprocess.Popen[bytes] | None = None
-        self._lines: queue.Queue[Any] = queue.Queue()
+        self._buffer = bytearray()
         self._stderr: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0
         self._scratch: Path | None = None
@@ -281,7 +282,7 @@ class Sandbox:
             os.chown(scratch, self.uid, self.uid)
         cmd = self._command(backend, scratch, self.uid)
         logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
-        self._lines = queue.Queue()
+        self._buffer = bytearray()
         self._stderr.clear()
         self._stderr_size = 0
         try:
@@ -298,7 +299,6 @@ class Sandbox:
         except OSError as exc:
             self.close()
             raise SandboxError("start_failed", f"cannot start the sandbox: {exc}") from exc
-        threading.Thread(target=self._read_stdout, args=(self._proc, self._lines), daemon=True).start()
         threading.Thread(target=self._read_stderr, args=(self._proc,), daemon=True).start()
         params = {"entrypoint": self.entrypoint, "config": self.config, "max_turns": self.limits.max_turns}
         try:
@@ -348,17 +348,37 @@ class Sandbox:
         self.close()
 
     # -- channel -----------------------------------------------------------------------------------
-    def _read_stdout(self, proc: subprocess.Popen[bytes], lines: queue.Queue[Any]) -> None:
+    def _read_line(self, proc: subprocess.Popen[bytes], deadline: float) -> bytes | object | None:
+        """The channel's next line, read in the calling thread: ``None`` when ``deadline`` passes first,
+        ``_EOF`` when the process closed it, at most ``MAX_LINE`` bytes of a longer line."""
         assert proc.stdout is not None
-        try:
-            while True:
-                line = proc.stdout.readline(MAX_LINE)
-                if not line:
-                    break
-                lines.put(line)
-        except (OSError, ValueError):
-            pass
-        lines.put(_EOF)
+        fd = proc.stdout.fileno()
+        buffer = self._buffer
+        start = 0
+        while True:
+            end = buffer.find(b"\n", start)
+            if end >= 0:
+                line = bytes(buffer[: end + 1])
+                del buffer[: end + 1]
+                return line
+            if len(buffer) >= MAX_LINE:
+                line = bytes(buffer[:MAX_LINE])
+                del buffer[:MAX_LINE]
+                return line
+            start = len(buffer)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                ready, _, _ = select.select([fd], [], [], remaining)
+                if not ready:
+                    return None
+                chunk = os.read(fd, 1 << 20)
+            except (OSError, ValueError):
+                return _EOF
+            if not chunk:
+                return _EOF
+            buffer += chunk
 
     def _read_stderr(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stderr is not None
@@ -394,14 +414,49 @@ class Sandbox:
 
     def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
         """One request/response round trip. Raises :class:`SandboxError` (the process is killed on
-        ``timeout``/``crashed``/``memory``/``protocol_error``; a ``remote_error`` leaves it running)."""
+        ``timeout``/``crashed``/``memory``/``protocol_error``; a ``remote_error`` leaves it running).
+
+        ``reward_batch`` travels in the compact ``rewards`` shape (each distinct task sent once, the
+        rewards as one list) and comes back as ``reward_batch``'s list of ``{"reward", "error"}``."""
+        if method == "reward_batch" and params is not None and isinstance(params.get("items"), list):
+            return self._reward_batch(params["items"], timeout)
+        return self._round_trip(method, params, timeout)
+
+    def _reward_batch(self, items: list[dict[str, Any]], timeout: float | None) -> list[dict[str, Any]]:
+        tasks: list[Any] = []
+        index: dict[int, int] = {}  # id(task) -> position; every task stays referenced by ``tasks``
+        compact: list[list[Any]] = []
+        for item in items:
+            task = item.get("task") or {}
+            position = index.get(id(task))
+            if position is None:
+                position = index[id(task)] = len(tasks)
+                tasks.append(task)
+            compact.append([position, item.get("completion", "")])
+        out = self._round_trip("rewards", {"tasks": tasks, "items": compact}, timeout)
+        try:
+            rewards = out["rewards"]
+            errors = {int(i): str(message) for i, message in out["errors"]}
+            if not isinstance(rewards, list) or len(rewards) != len(items):
+                raise ValueError(f"{len(rewards)} rewards for {len(items)} items")
+        except (KeyError, TypeError, ValueError) as exc:
+            self.close()
+            raise SandboxError("protocol_error", f"malformed rewards answer: {exc}") from None
+        if not errors:
+            return [{"reward": r, "error": None} for r in rewards]
+        return [
+            {"reward": None, "error": errors[i]} if i in errors else {"reward": r, "error": None}
+            for i, r in enumerate(rewards)
+        ]
+
+    def _round_trip(self, method: str, params: dict[str, Any] | None, timeout: float | None) -> Any:
         with self._lock:
             proc = self._proc
             if proc is None or proc.stdin is None:
                 raise SandboxError("not_running", "the sandbox is not running; call start()")
             self._next_id += 1
             rid = self._next_id
-            request = json.dumps({"id": rid, "method": method, "params": params or {}}).encode() + b"\n"
+            request = _encode({"id": rid, "method": method, "params": params or {}}).encode() + b"\n"
             try:
                 proc.stdin.write(request)
                 proc.stdin.flush()
@@ -410,9 +465,8 @@ class Sandbox:
                 self.close()
                 raise error from None
             deadline = time.monotonic() + (timeout if timeout is not None else self.limits.timeout_s)
-            try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
+            line = self._read_line(proc, deadline)
+            if line is None:
                 self.close()
                 raise SandboxError(
                     "timeout", f"{method} did not answer within {timeout or self.limits.timeout_s:g} s"
@@ -421,6 +475,7 @@ class Sandbox:
                 error = self._died(proc)
                 self.close()
                 raise error
+            assert isinstance(line, bytes)
             try:
                 response = json.loads(line)
                 if not isinstance(response, dict) or response.get("id") != rid:
