@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
+from tests.support.engine import EngineServer
 from tests.support.stack import (
     Admin,
     GatewayServer,
@@ -63,12 +66,33 @@ def admin(stack: GatewayServer) -> Admin:
     return Admin(stack.url, key.get_secret_value())
 
 
+def _cancel_open_jobs(t: Tenant) -> None:
+    """Workers claim queued jobs of any organisation: a test leaves none behind for later tests' workers."""
+    with contextlib.suppress(openai.APIError):
+        for job in t.client.fine_tuning.jobs.list(limit=100):
+            if job.status in ("validating_files", "queued", "running", "paused"):
+                with contextlib.suppress(openai.APIError):
+                    t.client.fine_tuning.jobs.cancel(job.id)
+
+
 @pytest.fixture
-def tenant(admin: Admin) -> Tenant:
+def tenant(admin: Admin) -> Iterator[Tenant]:
     """A fresh organisation for this test (tenancy is the isolation between tests)."""
-    return admin.tenant("org-" + secrets.token_hex(3))
+    t = admin.tenant("org-" + secrets.token_hex(3))
+    yield t
+    _cancel_open_jobs(t)
 
 
 @pytest.fixture
-def other_tenant(admin: Admin) -> Tenant:
-    return admin.tenant("other-" + secrets.token_hex(3))
+def other_tenant(admin: Admin) -> Iterator[Tenant]:
+    t = admin.tenant("other-" + secrets.token_hex(3))
+    yield t
+    _cancel_open_jobs(t)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Iterator[EngineServer]:
+    """An embedded engine serving `tiny-chat`, one per test module (adapters one module loads stay there)."""
+    server = EngineServer.start({"tiny-chat": str(tiny_model_dir)})
+    yield server
+    server.stop()

@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 
-from tests.gateway.test_serving import BASE, Engine, _gateway, _state, engine
-from tests.support.stack import Admin, GatewayServer, Services, Tenant
+from tests.support.engine import EngineServer, serving_state
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, start_gateway
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["engine"]  # the serving tests' engine fixture, used by this module's gateway
-
+BASE = "tiny-chat"
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "envs"
 
@@ -32,10 +31,12 @@ def gateway(
     services: Services,
     database: str,
     tiny_model_dir: Path,
-    engine: Engine,
+    engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
-    server = _gateway(services, database, tiny_model_dir, tmp_path_factory.mktemp("envsdk-gw"), [engine.url])
+    server = start_gateway(
+        services, database, tiny_model_dir, tmp_path_factory.mktemp("envsdk-gw"), upstreams=[engine.url]
+    )
     yield server
     server.stop()
 
@@ -73,7 +74,9 @@ def envsdk_test(gateway: GatewayServer, org: Tenant, package: str, *args: str) -
 
 
 def completion_tokens(gateway: GatewayServer, org: Tenant) -> int:
-    return sum(r.completion_tokens for r in _state(gateway).usage.records if r.organization_id == org.org_id)
+    return sum(
+        r.completion_tokens for r in serving_state(gateway).usage.records if r.organization_id == org.org_id
+    )
 
 
 def test_envsdk_test_plays_single_turn_tasks_through_the_gateway(gateway: GatewayServer, org: Tenant) -> None:
@@ -87,7 +90,7 @@ def test_envsdk_test_plays_single_turn_tasks_through_the_gateway(gateway: Gatewa
     assert summary == {"episodes": 6, "errors": 0, "mean_reward": pytest.approx(sum(rewards) / 6)}
     # every completion was a metered request of this organisation's key through the gateway
     assert completion_tokens(gateway, org) > 0
-    records = [r for r in _state(gateway).usage.records if r.organization_id == org.org_id]
+    records = [r for r in serving_state(gateway).usage.records if r.organization_id == org.org_id]
     assert len(records) == 6 and {r.api_key_id for r in records} == {org.key_id}
 
 
@@ -101,7 +104,7 @@ def test_envsdk_test_plays_multi_turn_and_tool_episodes_through_the_gateway(
         assert episode["stop_reason"] in ("done", "max_turns") and 0.0 <= episode["reward"] <= 1.0
         assert episode["tool_calls"] == 0
     played = sum(e["turns"] for e in episodes)
-    assert len([r for r in _state(gateway).usage.records if r.organization_id == org.org_id]) == played
+    assert len([r for r in serving_state(gateway).usage.records if r.organization_id == org.org_id]) == played
 
     forced = json.dumps({"force_first_tool_call": True})
     *episodes, summary = envsdk_test(gateway, org, "calculator", "--n", "2", "--config", forced, "--verbose")

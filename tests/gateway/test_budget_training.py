@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.worker.runner import BUDGET_PAUSED
-from tests.gateway.test_training import SFT, all_events, metrics_steps, trainer_processes, upload, wait_for
+from tests.gateway.test_training import SFT
+from tests.support.jobs import all_events, metrics_steps, upload_rows, wait_for, wait_trainer_gone
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -35,20 +36,13 @@ def _set_budget(admin: Admin, org_id: str, usd: float) -> dict:
     return resp.json()
 
 
-def _trainer_gone(job_id: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while trainer_processes(job_id):
-        assert time.monotonic() < deadline, "trainer still running"
-        time.sleep(0.2)
-
-
 def test_budget_reached_pauses_then_resume_continues(
     stack: GatewayServer, budget_worker: WorkerProcess, admin: Admin, tenant: Tenant
 ) -> None:
     jobs = tenant.client.fine_tuning.jobs
     job = jobs.create(
         model="tiny-chat",
-        training_file=upload(tenant, SFT),
+        training_file=upload_rows(tenant, SFT),
         method={
             "type": "supervised",
             "supervised": {
@@ -67,7 +61,7 @@ def test_budget_reached_pauses_then_resume_continues(
     _set_budget(admin, tenant.org_id, budget)
     paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
     assert paused.status == "paused", paused.error
-    _trainer_gone(job.id)
+    wait_trainer_gone(job.id)
     assert jobs.retrieve(job.id).status == "paused"
     events = all_events(tenant, job.id)
     budget_events = [e for e in events if e.message == BUDGET_PAUSED]
@@ -101,4 +95,4 @@ def test_budget_reached_pauses_then_resume_continues(
     messages = [e.message for e in all_events(tenant, job.id)]
     assert f"Fine-tuning job started (attempt 2), resuming from step {saved}" in messages, messages
     assert jobs.cancel(job.id).status == "cancelled"
-    _trainer_gone(job.id)
+    wait_trainer_gone(job.id)

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import tarfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import openai
 import pytest
 
 from envsdk.archive import pack
+from tests.support.jobs import metrics, upload_rows, wait_for
 from tests.support.stack import GatewayServer, Tenant, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -71,11 +71,6 @@ def upload_package(t: Tenant, src: Path, tmp: Path) -> str:
     return t.client.files.create(file=(archive.name, archive.read_bytes()), purpose="environment").id
 
 
-def upload_tasks(t: Tenant, rows: list[dict[str, Any]]) -> str:
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    return t.client.files.create(file=("tasks.jsonl", data), purpose="fine-tune").id
-
-
 def tasks_of(name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (EXAMPLES / name / "tasks.jsonl").read_text().splitlines() if line]
 
@@ -92,21 +87,6 @@ def create_job(t: Tenant, env_file: str, tasks: str, **config: Any) -> Any:
             },
         },  # type: ignore[typeddict-unknown-key]
     )
-
-
-def wait_for(t: Tenant, job_id: str, timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
-    job = t.client.fine_tuning.jobs.retrieve(job_id)
-    while job.status not in ("succeeded", "failed", "cancelled"):
-        assert time.monotonic() < deadline, f"job {job_id} stuck in {job.status}"
-        time.sleep(0.3)
-        job = t.client.fine_tuning.jobs.retrieve(job_id)
-    return job
-
-
-def metrics(t: Tenant, job_id: str) -> list[dict[str, Any]]:
-    events = t.client.fine_tuning.jobs.list_events(job_id, limit=100)
-    return sorted((e.data for e in events if e.type == "metrics"), key=lambda d: d["step"])
 
 
 def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Response:
@@ -126,7 +106,7 @@ def test_example_environment_job_succeeds(
     assert tenant.client.files.retrieve(env_file).purpose == "environment"
     # the calculator's episodes open with the task's tool call, so its tool runs during training
     config = {"force_first_tool_call": True} if name == "calculator" else {}
-    job = create_job(tenant, env_file, upload_tasks(tenant, tasks_of(name)), **config)
+    job = create_job(tenant, env_file, upload_rows(tenant, tasks_of(name)), **config)
     done = wait_for(tenant, job.id)
     assert done.status == "succeeded", done.error
     assert done.fine_tuned_model and done.trained_tokens and done.trained_tokens > 0
@@ -237,7 +217,7 @@ def test_hostile_environments_fail_their_own_jobs(
         "from envsdk import SingleTurnEnv\n\n\nclass Env(SingleTurnEnv):\n"
         "    def reward(self, task, completion):\n        raise ValueError('no reward for you')\n",
     )
-    tasks = upload_tasks(tenant, tasks_of("arithmetic")[:4])
+    tasks = upload_rows(tenant, tasks_of("arithmetic")[:4])
     loop_job = create_job(tenant, upload_package(tenant, looping, tmp_path), tasks)
     raise_job = create_job(tenant, upload_package(tenant, raising, tmp_path), tasks)
     good_job = create_job(tenant, upload_package(tenant, EXAMPLES / "arithmetic", tmp_path), tasks)

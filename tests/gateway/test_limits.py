@@ -19,7 +19,8 @@ from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.settings import ModelPrice
 from gateway.usage.pricing import estimate_prompt_tokens
-from tests.gateway.test_serving import BASE, MESSAGES, engine  # noqa: F401
+from tests.gateway.test_serving import BASE, MESSAGES
+from tests.support.engine import EngineServer
 from tests.support.stack import Admin, GatewayServer, Services, make_settings
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
@@ -30,7 +31,7 @@ def gw(
     services: Services,
     database: str,
     tiny_model_dir: Path,
-    engine: Any,  # noqa: F811 - the engine fixture imported above
+    engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
     settings = make_settings(

@@ -2,31 +2,18 @@
 
 from __future__ import annotations
 
-import asyncpg
 import openai
 import pytest
 
+from tests.support.engine import register_model
 from tests.support.stack import GatewayServer, Tenant
 
 
-async def register_model(stack: GatewayServer, org_id: str, model_id: str) -> None:
-    conn = await asyncpg.connect(stack.settings.database_url)
-    try:
-        await conn.execute(
-            "INSERT INTO models (id, organization_id, base_model, adapter_path)"
-            " VALUES ($1, $2, 'tiny-chat', '/x')",
-            model_id,
-            org_id,
-        )
-    finally:
-        await conn.close()
-
-
-async def test_models_list_retrieve_delete_and_tenancy(
+def test_models_list_retrieve_delete_and_tenancy(
     stack: GatewayServer, tenant: Tenant, other_tenant: Tenant
 ) -> None:
     model_id = f"ft:tiny-chat:{tenant.org_id}:mine:ftjob-models1"
-    await register_model(stack, tenant.org_id, model_id)
+    register_model(stack.settings.database_url or "", tenant.org_id, model_id, "/x")
 
     listed = tenant.client.models.list().data
     assert [m.id for m in listed] == ["tiny-chat", model_id]

@@ -9,22 +9,18 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from gateway.serving.upstreams import ServingState
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, free_port, make_settings
+from tests.support.engine import EngineServer, make_lora_adapter, register_model, serving_state
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, free_port, start_gateway
 
 BASE = "tiny-chat"
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -44,66 +40,10 @@ TOOLS: Any = [
 ]
 
 
-def _make_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8) -> str:
-    """A LoRA adapter on `base_dir` with random B matrices, so it changes the model's outputs."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
-@dataclass
-class Engine:
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    def models(self) -> set[str]:
-        with httpx.Client(trust_env=False) as http:
-            return {m["id"] for m in http.get(f"{self.url}/v1/models").json()["data"]}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[Engine]:
-    from inference.server import create_app
-
-    port = free_port()
-    app = create_app({BASE: str(tiny_model_dir)}, device="cpu", max_loras=4)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "engine did not start"
-        time.sleep(0.05)
-    yield Engine(f"http://127.0.0.1:{port}", server, thread)
-    server.should_exit = True
-    thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     root = tmp_path_factory.mktemp("serving-adapters")
-    return [_make_adapter(tiny_model_dir, root / f"lora{i}", seed=200 + i) for i in range(2)]
-
-
-def _gateway(
-    services: Services, database: str, tiny_model_dir: Path, tmp: Path, upstreams: list[str]
-) -> GatewayServer:
-    settings = make_settings(
-        data_dir=tmp, database_url=database, redis_url=services.redis_url, tiny_model=tiny_model_dir
-    )
-    settings.base_models[BASE].upstreams = upstreams
-    return GatewayServer(settings).start()
+    return [str(make_lora_adapter(tiny_model_dir, root / f"lora{i}", seed=200 + i)) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -111,73 +51,24 @@ def gw(
     services: Services,
     database: str,
     tiny_model_dir: Path,
-    engine: Engine,
+    engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
-    server = _gateway(services, database, tiny_model_dir, tmp_path_factory.mktemp("gw"), [engine.url])
+    server = start_gateway(
+        services, database, tiny_model_dir, tmp_path_factory.mktemp("gw"), upstreams=[engine.url]
+    )
     yield server
     server.stop()
 
 
-def _state(server: GatewayServer) -> ServingState:
-    app: Any = server.server.config.app
-    state = app.state.resources.serving
-    assert isinstance(state, ServingState)
-    return state
-
-
 @pytest.fixture(scope="module")
 def gw_admin(gw: GatewayServer) -> Admin:
-    key = gw.settings.admin_key
-    assert key is not None
-    return Admin(gw.url, key.get_secret_value())
+    return admin_of(gw)
 
 
 @pytest.fixture
 def org(gw_admin: Admin) -> Tenant:
     return gw_admin.tenant("serve-" + secrets.token_hex(3))
-
-
-def _register(
-    database: str, org_id: str, model_id: str, adapter: str, *, checkpoint: str | None = None
-) -> None:
-    """What the worker does when a job succeeds: a `models` row (and a checkpoint row with its job)."""
-
-    async def run() -> None:
-        conn = await asyncpg.connect(database)
-        try:
-            job_id = model_id.rsplit(":", 1)[-1]
-            await conn.execute(
-                "INSERT INTO fine_tuning_jobs (id, organization_id, model, training_file, status, method,"
-                " hyperparameters, seed) VALUES ($1, $2, $3, 'file-x', 'succeeded', '{}'::jsonb,"
-                " '{}'::jsonb, 1) ON CONFLICT (id) DO NOTHING",
-                job_id,
-                org_id,
-                BASE,
-            )
-            await conn.execute(
-                "INSERT INTO models (id, organization_id, base_model, job_id, adapter_path)"
-                " VALUES ($1, $2, $3, $4, $5)",
-                model_id,
-                org_id,
-                BASE,
-                job_id,
-                adapter,
-            )
-            if checkpoint is not None:
-                await conn.execute(
-                    "INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_number,"
-                    " fine_tuned_model_checkpoint, path) VALUES ($1, $2, $3, 2, $4, $5)",
-                    "ftckpt-" + secrets.token_hex(6),
-                    job_id,
-                    org_id,
-                    checkpoint,
-                    adapter,
-                )
-        finally:
-            await conn.close()
-
-    asyncio.run(run())
 
 
 def _ft_id(org: Tenant) -> str:
@@ -190,7 +81,7 @@ def test_chat_non_stream_rewrites_model_and_records_usage(org: Tenant, gw: Gatew
     assert resp.model == BASE and resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
     assert resp.usage is not None and 0 < resp.usage.completion_tokens <= 8
-    records = [r for r in _state(gw).usage.records if r.organization_id == org.org_id]
+    records = [r for r in serving_state(gw).usage.records if r.organization_id == org.org_id]
     assert records and records[-1].completion_tokens == resp.usage.completion_tokens
     assert records[-1].api_key_id == org.key_id and records[-1].model == BASE
 
@@ -279,12 +170,17 @@ def test_unknown_model_and_engine_errors_keep_openai_shape(org: Tenant) -> None:
 
 # --------------------------------------------------------------------------------------- fine-tuned
 def test_ft_model_and_checkpoint_served_with_lazy_load(
-    org: Tenant, other_org_factory: Any, gw: GatewayServer, engine: Engine, database: str, adapters: list[str]
+    org: Tenant,
+    other_org_factory: Any,
+    gw: GatewayServer,
+    engine: EngineServer,
+    database: str,
+    adapters: list[str],
 ) -> None:
     a, b = _ft_id(org), _ft_id(org)
     ckpt = f"{b}:ckpt-step-2"
-    _register(database, org.org_id, a, adapters[0])
-    _register(database, org.org_id, b, adapters[1], checkpoint=ckpt)
+    register_model(database, org.org_id, a, adapters[0])
+    register_model(database, org.org_id, b, adapters[1], checkpoint=ckpt)
     assert a not in engine.models()
     kwargs: dict[str, Any] = dict(messages=MESSAGES, max_tokens=12, temperature=0.9, seed=7)
     base = org.client.chat.completions.create(model=BASE, **kwargs).choices[0].message.content
@@ -315,11 +211,11 @@ def other_org_factory(gw_admin: Admin) -> Any:
 
 
 def test_concurrent_first_requests_load_once(
-    org: Tenant, gw: GatewayServer, engine: Engine, database: str, adapters: list[str]
+    org: Tenant, gw: GatewayServer, engine: EngineServer, database: str, adapters: list[str]
 ) -> None:
     model = _ft_id(org)
-    _register(database, org.org_id, model, adapters[0])
-    state = _state(gw)
+    register_model(database, org.org_id, model, adapters[0])
+    state = serving_state(gw)
     before = state.load_count
 
     def ask(_: int) -> str:
@@ -333,10 +229,10 @@ def test_concurrent_first_requests_load_once(
 
 
 def test_delete_model_stops_serving_and_unloads(
-    org: Tenant, engine: Engine, database: str, adapters: list[str]
+    org: Tenant, engine: EngineServer, database: str, adapters: list[str]
 ) -> None:
     model = _ft_id(org)
-    _register(database, org.org_id, model, adapters[1])
+    register_model(database, org.org_id, model, adapters[1])
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
     assert model in engine.models()
     assert org.client.models.delete(model).deleted is True
@@ -350,7 +246,9 @@ def test_delete_model_stops_serving_and_unloads(
 def test_upstream_down_is_a_quick_503(
     services: Services, database: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    server = _gateway(services, database, tiny_model_dir, tmp_path, [f"http://127.0.0.1:{free_port()}"])
+    server = start_gateway(
+        services, database, tiny_model_dir, tmp_path, upstreams=[f"http://127.0.0.1:{free_port()}"]
+    )
     try:
         key = server.settings.admin_key
         assert key is not None
@@ -368,20 +266,20 @@ def test_upstream_down_is_a_quick_503(
 
 
 def test_adapter_lost_by_the_engine_is_reloaded(
-    org: Tenant, gw: GatewayServer, engine: Engine, database: str, adapters: list[str]
+    org: Tenant, gw: GatewayServer, engine: EngineServer, database: str, adapters: list[str]
 ) -> None:
     model = _ft_id(org)
-    _register(database, org.org_id, model, adapters[0])
+    register_model(database, org.org_id, model, adapters[0])
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
     with httpx.Client(trust_env=False) as http:  # behind the gateway's back, as an engine restart would
         assert http.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": model}).status_code == 200
-    before = _state(gw).load_count
+    before = serving_state(gw).load_count
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
-    assert _state(gw).load_count == before + 1 and model in engine.models()
+    assert serving_state(gw).load_count == before + 1 and model in engine.models()
 
 
 def test_worker_hook_loads_and_unloads_everywhere(
-    org: Tenant, gw: GatewayServer, engine: Engine, adapters: list[str]
+    org: Tenant, gw: GatewayServer, engine: EngineServer, adapters: list[str]
 ) -> None:
     from gateway.serving.service import load_adapter_everywhere, unload_adapter_everywhere
 

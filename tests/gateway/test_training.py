@@ -5,8 +5,6 @@ One worker process serves this module; tests that kill or restart workers start 
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -16,6 +14,14 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
+from tests.support.jobs import (
+    all_events,
+    metrics_steps,
+    trainer_processes,
+    upload_rows,
+    wait_for,
+    wait_trainer_gone,
+)
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, WorkerProcess, make_settings
 
 pytestmark = pytest.mark.slow
@@ -47,43 +53,6 @@ CONTAINS_YES = {
 }
 
 
-def upload(t: Tenant, rows: list[dict]) -> str:
-    data = "\n".join(json.dumps(r) for r in rows).encode()
-    return t.client.files.create(file=("train.jsonl", data), purpose="fine-tune").id
-
-
-def wait_for(t: Tenant, job_id: str, states: tuple[str, ...], timeout: float = 240) -> Any:
-    deadline = time.monotonic() + timeout
-    job = t.client.fine_tuning.jobs.retrieve(job_id)
-    while job.status not in states:
-        assert time.monotonic() < deadline, f"job {job_id} stuck in {job.status}"
-        time.sleep(0.3)
-        job = t.client.fine_tuning.jobs.retrieve(job_id)
-    return job
-
-
-def all_events(t: Tenant, job_id: str) -> list[Any]:
-    return list(t.client.fine_tuning.jobs.list_events(job_id, limit=100))
-
-
-def metrics_steps(t: Tenant, job_id: str) -> list[int]:
-    return sorted(e.data["step"] for e in all_events(t, job_id) if e.type == "metrics")
-
-
-def trainer_processes(job_id: str) -> list[int]:
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "trainer run" in cmd and job_id in cmd:
-            pids.append(int(pid))
-    return pids
-
-
 @pytest.fixture(scope="module")
 def worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     w = WorkerProcess(
@@ -106,7 +75,7 @@ def _assert_adapter_trained(stack: GatewayServer, t: Tenant, job_id: str) -> Non
 def test_supervised_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
     job = tenant.client.fine_tuning.jobs.create(
         model="tiny-chat",
-        training_file=upload(tenant, SFT),
+        training_file=upload_rows(tenant, SFT),
         suffix="sft",
         method={
             "type": "supervised",
@@ -140,7 +109,7 @@ def test_supervised_job_succeeds(stack: GatewayServer, worker: WorkerProcess, te
 def test_dpo_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
     job = tenant.client.fine_tuning.jobs.create(
         model="tiny-chat",
-        training_file=upload(tenant, DPO),
+        training_file=upload_rows(tenant, DPO),
         method={
             "type": "dpo",
             "dpo": {
@@ -162,7 +131,7 @@ def test_dpo_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: T
 def test_reinforcement_job_learns(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
     job = tenant.client.fine_tuning.jobs.create(
         model="tiny-chat",
-        training_file=upload(tenant, RFT),
+        training_file=upload_rows(tenant, RFT),
         seed=1,
         method={
             "type": "reinforcement",
@@ -209,7 +178,7 @@ def test_failing_trainer_fails_the_job(services: Services, database: str, tmp_pa
         t = Admin(gateway.url, settings.admin_key.get_secret_value()).tenant("broken-node")
         job = t.client.fine_tuning.jobs.create(
             model="tiny-chat",
-            training_file=upload(t, SFT),
+            training_file=upload_rows(t, SFT),
             method={"type": "supervised", "supervised": {"hyperparameters": {"max_steps": 2}}},
         )
         done = wait_for(t, job.id, ("succeeded", "failed"))
@@ -228,7 +197,7 @@ def _long_rl(t: Tenant, steps: int) -> Any:
     """An RL job whose steps (generation included) are slow enough to be interrupted mid-run."""
     return t.client.fine_tuning.jobs.create(
         model="tiny-chat",
-        training_file=upload(t, RFT),
+        training_file=upload_rows(t, RFT),
         method={
             "type": "reinforcement",
             "reinforcement": {
@@ -249,7 +218,7 @@ def _long_rl(t: Tenant, steps: int) -> Any:
 def _long_sft(t: Tenant, steps: int = 400) -> Any:
     return t.client.fine_tuning.jobs.create(
         model="tiny-chat",
-        training_file=upload(t, SFT),
+        training_file=upload_rows(t, SFT),
         method={
             "type": "supervised",
             "supervised": {
@@ -275,11 +244,8 @@ def test_cancel_while_running(stack: GatewayServer, worker: WorkerProcess, tenan
     job = _long_sft(tenant)
     _wait_steps(tenant, job.id, 2)
     assert trainer_processes(job.id)
-    started = time.monotonic()
     assert tenant.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
-    while trainer_processes(job.id):
-        assert time.monotonic() - started < 20, "trainer still running after cancel"
-        time.sleep(0.2)
+    wait_trainer_gone(job.id, timeout=20)
     assert wait_for(tenant, job.id, ("cancelled",)).status == "cancelled"
 
 
@@ -288,10 +254,7 @@ def test_pause_then_resume_continues(stack: GatewayServer, worker: WorkerProcess
     job = _long_rl(tenant, steps=40)
     _wait_steps(tenant, job.id, 4)
     assert jobs.pause(job.id).status == "paused"
-    deadline = time.monotonic() + 30
-    while trainer_processes(job.id):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_trainer_gone(job.id)
     saved = max(c.step_number for c in jobs.checkpoints.list(job.id).data)
     paused_steps = metrics_steps(tenant, job.id)
     assert jobs.retrieve(job.id).status == "paused" and saved >= 3
@@ -337,10 +300,7 @@ def test_worker_killed_mid_job_resumes(
         job = _long_rl(tenant, steps=40)
         _wait_steps(tenant, job.id, 5)
         victim.kill()
-        deadline = time.monotonic() + 20
-        while trainer_processes(job.id):  # the trainer dies with its worker
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_trainer_gone(job.id, timeout=20)  # the trainer dies with its worker
         victim.stop()
     finally:
         worker.proc.send_signal(signal.SIGCONT)

@@ -16,7 +16,8 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.gateway.test_serving import BASE, MESSAGES, _make_adapter, _register, engine  # noqa: F401
+from tests.gateway.test_serving import BASE, MESSAGES
+from tests.support.engine import EngineServer, make_lora_adapter, register_model
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings
 
 
@@ -25,7 +26,7 @@ def gw(
     services: Services,
     database: str,
     tiny_model_dir: Path,
-    engine: Any,  # noqa: F811 - the engine fixture imported above
+    engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
     settings = make_settings(
@@ -66,7 +67,9 @@ def test_burst_is_metered_exactly_and_usage_api_agrees(
     second = gw_admin.http.post(f"/v1/admin/organizations/{org.org_id}/api_keys", json={"name": "two"}).json()
     keys = [org, Tenant(gw.url, org.org_id, second["key"], second["id"])]
     ft = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
-    _register(database, org.org_id, ft, _make_adapter(tiny_model_dir, tmp_path / "lora", seed=5))
+    register_model(
+        database, org.org_id, ft, str(make_lora_adapter(tiny_model_dir, tmp_path / "lora", seed=5))
+    )
     start = int(time.time()) - 5
 
     def one(i: int) -> tuple[str, str, int, int]:

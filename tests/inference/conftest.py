@@ -1,4 +1,5 @@
-"""Fixtures of the engine tests: the tiny chat model, random LoRA adapters, and running engine servers."""
+"""Fixtures of the engine tests: random LoRA adapters and running engine servers (the tiny chat model comes
+from the root conftest)."""
 
 from __future__ import annotations
 
@@ -12,38 +13,16 @@ from typing import Any
 
 import pytest
 
+from tests.support.engine import make_lora_adapter
+
 MODEL_NAME = "tiny-chat"
-
-
-def _make_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8) -> Path:
-    """A LoRA adapter on ``base_dir`` whose B matrices are random, so it changes the model's outputs."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir)
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(out_dir)
-    return out_dir
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from trainer.tiny import make_tiny_model
-
-    return Path(make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny-chat"))
 
 
 @pytest.fixture(scope="session")
 def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Four distinct random adapters on the tiny model."""
     root = tmp_path_factory.mktemp("adapters")
-    return [_make_adapter(tiny_model_dir, root / f"lora{i}", seed=100 + i) for i in range(4)]
+    return [make_lora_adapter(tiny_model_dir, root / f"lora{i}", seed=100 + i) for i in range(4)]
 
 
 def _free_port() -> int:

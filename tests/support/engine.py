@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import asyncpg
 import httpx
 import uvicorn
 
-from tests.support.stack import free_port
+from gateway.serving.upstreams import ServingState
+from tests.support.stack import GatewayServer, free_port
 
 
 @dataclass
@@ -62,3 +67,59 @@ def make_lora_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8) -
                 param.normal_(0.0, 0.5)
     model.save_pretrained(str(out_dir))
     return out_dir
+
+
+def register_model(
+    database: str,
+    org_id: str,
+    model_id: str,
+    adapter: str,
+    *,
+    checkpoint: str | None = None,
+    base: str = "tiny-chat",
+) -> None:
+    """What the worker does when a job succeeds: a `models` row (and a checkpoint row with its job)."""
+
+    async def run() -> None:
+        conn = await asyncpg.connect(database)
+        try:
+            job_id = model_id.rsplit(":", 1)[-1]
+            await conn.execute(
+                "INSERT INTO fine_tuning_jobs (id, organization_id, model, training_file, status, method,"
+                " hyperparameters, seed) VALUES ($1, $2, $3, 'file-x', 'succeeded', '{}'::jsonb,"
+                " '{}'::jsonb, 1) ON CONFLICT (id) DO NOTHING",
+                job_id,
+                org_id,
+                base,
+            )
+            await conn.execute(
+                "INSERT INTO models (id, organization_id, base_model, job_id, adapter_path)"
+                " VALUES ($1, $2, $3, $4, $5)",
+                model_id,
+                org_id,
+                base,
+                job_id,
+                adapter,
+            )
+            if checkpoint is not None:
+                await conn.execute(
+                    "INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_number,"
+                    " fine_tuned_model_checkpoint, path) VALUES ($1, $2, $3, 2, $4, $5)",
+                    "ftckpt-" + secrets.token_hex(6),
+                    job_id,
+                    org_id,
+                    checkpoint,
+                    adapter,
+                )
+        finally:
+            await conn.close()
+
+    asyncio.run(run())
+
+
+def serving_state(gateway: GatewayServer) -> ServingState:
+    """The running gateway's serving state (upstream pools, usage, load counts)."""
+    app: Any = gateway.server.config.app
+    state = app.state.resources.serving
+    assert isinstance(state, ServingState)
+    return state

@@ -222,3 +222,31 @@ class Admin:
         key = self.http.post(f"/v1/admin/organizations/{org.json()['id']}/api_keys", json={"name": "test"})
         key.raise_for_status()
         return Tenant(self.gateway_url, org.json()["id"], key.json()["key"], key.json()["id"])
+
+
+def start_gateway(
+    services: Services,
+    database: str,
+    tiny_model: Path,
+    data_dir: Path,
+    *,
+    upstreams: list[str] | None = None,
+    **overrides: Any,
+) -> GatewayServer:
+    """A gateway of its own on the shared services, with `tiny-chat` served by `upstreams`."""
+    settings = make_settings(
+        data_dir=data_dir,
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tiny_model,
+        **overrides,
+    )
+    settings.base_models["tiny-chat"].upstreams = list(upstreams or [])
+    return GatewayServer(settings).start()
+
+
+def admin_of(gateway: GatewayServer) -> Admin:
+    """The admin API of a gateway started with `make_settings`."""
+    key = gateway.settings.admin_key
+    assert key is not None
+    return Admin(gateway.url, key.get_secret_value())

@@ -1,0 +1,69 @@
+"""Helpers for tests that train through a running stack: upload rows, wait for states, read events, and look
+for trainer processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.support.stack import Tenant
+
+FINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+def upload_rows(t: Tenant, rows: list[dict[str, Any]], name: str = "train.jsonl") -> str:
+    """A `fine-tune` JSONL file of these rows; returns its id."""
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    return t.client.files.create(file=(name, data), purpose="fine-tune").id
+
+
+def wait_for(t: Tenant, job_id: str, states: tuple[str, ...] = FINAL_STATES, timeout: float = 240) -> Any:
+    """Poll the job until its status is one of `states`; returns the job."""
+    deadline = time.monotonic() + timeout
+    job = t.client.fine_tuning.jobs.retrieve(job_id)
+    while job.status not in states:
+        assert time.monotonic() < deadline, f"job {job_id} stuck in {job.status}"
+        time.sleep(0.3)
+        job = t.client.fine_tuning.jobs.retrieve(job_id)
+    return job
+
+
+def all_events(t: Tenant, job_id: str) -> list[Any]:
+    """Every event of the job, newest first (the SDK follows the pages)."""
+    return list(t.client.fine_tuning.jobs.list_events(job_id, limit=100))
+
+
+def metrics(t: Tenant, job_id: str) -> list[dict[str, Any]]:
+    """The data of the job's metrics events, by step."""
+    return sorted((e.data for e in all_events(t, job_id) if e.type == "metrics"), key=lambda d: d["step"])
+
+
+def metrics_steps(t: Tenant, job_id: str) -> list[int]:
+    """The steps that have a metrics event, sorted (a step recorded twice would show twice)."""
+    return sorted(e.data["step"] for e in all_events(t, job_id) if e.type == "metrics")
+
+
+def trainer_processes(job_id: str) -> list[int]:
+    """Pids of `python -m trainer run` processes of this job."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "trainer run" in cmd and job_id in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def wait_trainer_gone(job_id: str, timeout: float = 30) -> None:
+    """Wait until no trainer process of the job is left."""
+    deadline = time.monotonic() + timeout
+    while trainer_processes(job_id):
+        assert time.monotonic() < deadline, f"the trainer of {job_id} is still running"
+        time.sleep(0.2)
