@@ -85,7 +85,7 @@ def run(opts: Options) -> dict[str, Any]:
 
         litellm_proc: Process | None = None
         litellm_url = ""
-        exe, note = litellm_ref.ensure_installed()
+        exe, note = litellm_ref.ensure_installed(install=not opts.quick)
         report["litellm"] = {"status": note, "version": litellm_ref.version()}
         if exe is not None:
             try:

@@ -30,11 +30,13 @@ litellm_settings:
 """
 
 
-def ensure_installed(timeout_s: float = 900) -> tuple[Path | None, str]:
-    """The `litellm` executable (installing it on first use) and a note on what happened."""
+def ensure_installed(timeout_s: float = 900, *, install: bool = True) -> tuple[Path | None, str]:
+    """The `litellm` executable (installing it on first use unless `install` is False) and a note."""
     exe = VENV / "bin" / "litellm"
     if exe.exists():
         return exe, "installed in bench/.venv-litellm"
+    if not install:
+        return None, "not installed (quick runs do not install it; a full run does)"
     try:
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=120)
         subprocess.run(
