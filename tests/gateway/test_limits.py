@@ -21,7 +21,7 @@ from gateway.settings import ModelPrice
 from gateway.usage.pricing import estimate_prompt_tokens
 from tests.gateway.test_serving import BASE, MESSAGES
 from tests.support.engine import EngineServer
-from tests.support.stack import Admin, GatewayServer, Services, make_settings
+from tests.support.stack import Admin, GatewayServer, Services, admin_of, make_settings, start_gateway
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
 
@@ -34,24 +34,17 @@ def gw(
     engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
-    settings = make_settings(
-        data_dir=tmp_path_factory.mktemp("gw-limits"),
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tiny_model_dir,
-        prices={BASE: DOLLAR_PER_TOKEN},
+    tmp = tmp_path_factory.mktemp("gw-limits")
+    server = start_gateway(
+        services, database, tiny_model_dir, tmp, upstreams=[engine.url], prices={BASE: DOLLAR_PER_TOKEN}
     )
-    settings.base_models[BASE].upstreams = [engine.url]
-    server = GatewayServer(settings).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def gw_admin(gw: GatewayServer) -> Admin:
-    key = gw.settings.admin_key
-    assert key is not None
-    return Admin(gw.url, key.get_secret_value())
+    return admin_of(gw)
 
 
 def test_requests_per_minute_429_with_headers_then_recovery(gw_admin: Admin) -> None:

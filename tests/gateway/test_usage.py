@@ -18,7 +18,7 @@ import pytest
 
 from tests.gateway.test_serving import BASE, MESSAGES
 from tests.support.engine import EngineServer, make_lora_adapter, register_model
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
 
 
 @pytest.fixture(scope="module")
@@ -29,24 +29,17 @@ def gw(
     engine: EngineServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayServer]:
-    settings = make_settings(
-        data_dir=tmp_path_factory.mktemp("gw-usage"),
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tiny_model_dir,
-        usage_flush_interval_s=0.3,
+    tmp = tmp_path_factory.mktemp("gw-usage")
+    server = start_gateway(
+        services, database, tiny_model_dir, tmp, upstreams=[engine.url], usage_flush_interval_s=0.3
     )
-    settings.base_models[BASE].upstreams = [engine.url]
-    server = GatewayServer(settings).start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def gw_admin(gw: GatewayServer) -> Admin:
-    key = gw.settings.admin_key
-    assert key is not None
-    return Admin(gw.url, key.get_secret_value())
+    return admin_of(gw)
 
 
 def _rows(database: str, org_id: str) -> list[asyncpg.Record]:
