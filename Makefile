@@ -6,16 +6,8 @@ PACKAGES := gateway trainer inference envsdk tunegate bench
 
 .PHONY: install up quickstart lint format typecheck test test-fast clean
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV) || { apt-get update && apt-get install -y python3-venv && $(PYTHON) -m venv $(VENV); }
-	$(BIN)/pip install --upgrade pip
-
-install: $(BIN)/python
-	$(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[dev]"
-	@command -v bwrap >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
-		(apt-get update && apt-get install -y bubblewrap) || \
-		echo "note: install bubblewrap to sandbox environment packages"; }
+install:
+	PYTHON=$(PYTHON) VENV=$(VENV) scripts/install
 
 up: install
 	$(BIN)/tunegate up
