@@ -23,6 +23,7 @@ from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
+from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import store
@@ -39,10 +40,14 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["blobs"] = BlobStore(settings.blob_dir)
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
     ctx["slots"] = asyncio.Semaphore(settings.training_slots)
+    ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
     logger.info("worker %s ready", ctx["worker_id"])
 
 
 async def shutdown(ctx: dict[str, Any]) -> None:
+    spend: Buckets | None = ctx.get("spend")
+    if spend is not None:
+        await spend.redis.aclose()
     pool: asyncpg.Pool | None = ctx.get("pool")
     if pool is not None:
         await pool.close()
@@ -58,7 +63,10 @@ async def run_job(ctx: dict[str, Any], job_id: str) -> str:
         if job is None:
             return "nothing to claim"
         return await _train(
-            ctx, JobRun(job, pool=pool, blobs=ctx["blobs"], settings=settings, worker_id=worker_id)
+            ctx,
+            JobRun(
+                job, pool=pool, blobs=ctx["blobs"], settings=settings, worker_id=worker_id, spend=ctx["spend"]
+            ),
         )
 
 

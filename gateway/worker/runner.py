@@ -33,6 +33,7 @@ import asyncpg
 from gateway.blobstore import BlobStore
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
+from gateway.limits.buckets import Buckets, month_key, to_micro
 from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.models import store as models_store
 from gateway.serving.service import load_adapter_everywhere
@@ -85,9 +86,18 @@ class JobRun:
     """Runs one claimed job to the end of its trainer process."""
 
     def __init__(
-        self, job: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings, worker_id: str
+        self,
+        job: asyncpg.Record,
+        *,
+        pool: asyncpg.Pool,
+        blobs: BlobStore,
+        settings: Settings,
+        worker_id: str,
+        spend: Buckets | None = None,
     ) -> None:
         self.job = job
+        self.spend = spend
+        """The serving guard's month counters: training spend is added there as it is recorded."""
         self.job_id: str = job["id"]
         self.org_id: str = job["organization_id"]
         self.pool = pool
@@ -475,17 +485,23 @@ class JobRun:
         seconds = 0.0
         if self.started_mono is not None and self.progress_mono is not None:
             seconds = max(0.0, self.progress_mono - self.started_mono)
+        tokens = max(0, cumulative - earlier)
         await store.add_training_usage(
             conn,
             org_id=self.org_id,
             job_id=self.job_id,
             base_model=self.job["model"],
             method=self.job["method"]["type"],
-            trained_tokens=max(0, cumulative - earlier),
+            trained_tokens=tokens,
             steps=max(0, (self.step or 0) - self.start_step),
             seconds=seconds,
             outcome=outcome,
         )
+        # The request guard's month counter in Redis counts this spend too, so completions see the budget that
+        # training used (a rolled-back transaction would over-count: budgets err on the strict side).
+        cost = training_cost(self.settings, self.job["model"], tokens, seconds)
+        if self.spend is not None and cost > 0:
+            await self.spend.settle(month_key(self.org_id), reserved=0, actual=to_micro(cost))
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

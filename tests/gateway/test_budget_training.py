@@ -4,11 +4,13 @@ worker process."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from gateway.limits.buckets import Buckets, make_limits_redis, month_key, to_micro
 from gateway.worker.runner import BUDGET_PAUSED
 from tests.gateway.test_training import SFT
 from tests.support.jobs import all_events, metrics_steps, upload_rows, wait_for, wait_trainer_gone
@@ -36,10 +38,28 @@ def _set_budget(admin: Admin, org_id: str, usd: float) -> dict:
     return resp.json()
 
 
+def _month_counter(redis_url: str, org_id: str, *, open_month: bool = False) -> int:
+    """The request guard's month spend counter in Redis (micro-USD); `open_month` starts it at 0 as the
+    month's first completion would."""
+
+    async def run() -> int:
+        buckets = Buckets(make_limits_redis(redis_url))
+        try:
+            if open_month:
+                await buckets.reserve(month_key(org_id), limit=10**15, estimate=0, seed=0)
+            return int(await buckets.redis.hget(month_key(org_id), "spent") or 0)
+        finally:
+            await buckets.redis.aclose()
+
+    return asyncio.run(run())
+
+
 def test_budget_reached_pauses_then_resume_continues(
     stack: GatewayServer, budget_worker: WorkerProcess, admin: Admin, tenant: Tenant
 ) -> None:
     jobs = tenant.client.fine_tuning.jobs
+    redis_url = stack.settings.redis_url or ""
+    assert _month_counter(redis_url, tenant.org_id, open_month=True) == 0  # a completion opened the month
     job = jobs.create(
         model="tiny-chat",
         training_file=upload_rows(tenant, SFT),
@@ -80,6 +100,11 @@ def test_budget_reached_pauses_then_resume_continues(
     ):
         assert time.monotonic() < deadline, "the paused attempt's usage was not recorded"
         time.sleep(0.2)
+    # The serving guard's counter saw that training spend too, so completions are held to the same budget.
+    month_to_date = admin.http.get(f"/v1/admin/organizations/{tenant.org_id}/billing").json()[
+        "month_to_date_usd"
+    ]
+    assert abs(_month_counter(redis_url, tenant.org_id) - to_micro(month_to_date)) <= 1
 
     # Still over budget: resuming alone would pause again, so the budget is raised first.
     assert _set_budget(admin, tenant.org_id, 1000.0)["monthly_budget_usd"] == 1000.0
