@@ -44,6 +44,14 @@ def database(services: Services) -> Iterator[str]:
     drop_database(services.pg_dsn, name)
 
 
+@pytest.fixture
+def own_database(services: Services) -> Iterator[str]:
+    """An empty database for one test whose workers must not see (or claim) the shared database's jobs."""
+    name = f"tunegate_test_{secrets.token_hex(4)}"
+    yield make_database(services.pg_dsn, name)
+    drop_database(services.pg_dsn, name)
+
+
 @pytest.fixture(scope="session")
 def stack(
     services: Services, database: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory

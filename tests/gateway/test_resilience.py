@@ -4,7 +4,6 @@ gateway. Nothing is lost and the service comes back by itself."""
 from __future__ import annotations
 
 import json
-import secrets
 import shutil
 import subprocess
 import time
@@ -20,9 +19,7 @@ from tests.support.stack import (
     GatewayServer,
     Services,
     WorkerProcess,
-    drop_database,
     free_port,
-    make_database,
     make_settings,
 )
 
@@ -94,13 +91,6 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def own_database(services: Services) -> Iterator[str]:
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    yield make_database(services.pg_dsn, name)
-    drop_database(services.pg_dsn, name)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Iterator
 from datetime import datetime
@@ -14,7 +15,15 @@ import asyncpg
 import pytest
 
 from tests.support.engine import EngineServer
-from tests.support.stack import Admin, GatewayServer, Services, WorkerProcess, make_settings
+from tests.support.stack import (
+    Admin,
+    GatewayServer,
+    Services,
+    WorkerProcess,
+    drop_database,
+    make_database,
+    start_gateway,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,22 +39,19 @@ GRADER = {
 
 @pytest.fixture(scope="module")
 def served(
-    services: Services, database: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[GatewayServer, EngineServer]]:
-    engine = EngineServer.start({"tiny-chat": str(tiny_model_dir)})
-    settings = make_settings(
-        data_dir=tmp_path_factory.mktemp("serve-data"),
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tiny_model_dir,
+    """A gateway, engine and worker on a database of their own (no other module's worker claims its jobs)."""
+    name = f"tunegate_test_{secrets.token_hex(4)}"
+    database = make_database(services.pg_dsn, name)
+    gateway = start_gateway(
+        services, database, tiny_model_dir, tmp_path_factory.mktemp("serve-data"), upstreams=[engine.url]
     )
-    settings.base_models["tiny-chat"].upstreams = [engine.url]
-    gateway = GatewayServer(settings).start()
-    worker = WorkerProcess(settings, tmp_path_factory.mktemp("serve-worker") / "worker.log")
+    worker = WorkerProcess(gateway.settings, tmp_path_factory.mktemp("serve-worker") / "worker.log")
     yield gateway, engine
     worker.stop()
     gateway.stop()
-    engine.stop()
+    drop_database(services.pg_dsn, name)
 
 
 async def _finished_at(gateway: GatewayServer, job_id: str) -> datetime:

@@ -163,13 +163,13 @@ def test_reinforcement_job_learns(stack: GatewayServer, worker: WorkerProcess, t
     _assert_adapter_trained(stack, tenant, job.id)
 
 
-def test_failing_trainer_fails_the_job(services: Services, database: str, tmp_path: Path) -> None:
+def test_failing_trainer_fails_the_job(services: Services, own_database: str, tmp_path: Path) -> None:
     """A node whose base model folder is broken: the trainer fails, the job reports it in one line."""
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     settings = make_settings(
-        data_dir=tmp_path / "data", database_url=database, redis_url=services.redis_url, tiny_model=broken
+        data_dir=tmp_path / "data", database_url=own_database, redis_url=services.redis_url, tiny_model=broken
     )
     gateway = GatewayServer(settings).start()
     worker = WorkerProcess(settings, tmp_path / "worker.log")
