@@ -170,26 +170,21 @@ def _build_trainer(
         beta=hp.kl_beta,
         remove_unused_columns=False,
     )
+    trainer_cls: Any = GRPOTrainer
+    rollout: dict[str, Any] = {}
     if session is not None and session.multi_turn:
         from trainer.environment import environment_trainer_class
 
         trainer_cls = environment_trainer_class()
-        return trainer_cls(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=grpo_config,
-            train_dataset=train_ds,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            rollout_func=session.rollout_func(hp.max_completion_length, hp.temperature),
-        )
-    return GRPOTrainer(
+        rollout["rollout_func"] = session.rollout_func(hp.max_completion_length, hp.temperature)
+    return trainer_cls(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_config,
         train_dataset=train_ds,
         processing_class=tokenizer,
         peft_config=peft_config,
+        **rollout,
     )
 
 

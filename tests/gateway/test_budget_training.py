@@ -13,7 +13,13 @@ import pytest
 from gateway.limits.buckets import Buckets, make_limits_redis, month_key, to_micro
 from gateway.worker.runner import BUDGET_PAUSED
 from tests.gateway.test_training import SFT
-from tests.support.jobs import all_events, metrics_steps, upload_rows, wait_for, wait_trainer_gone
+from tests.support.jobs import (
+    all_events,
+    long_sft_job,
+    metrics_steps,
+    wait_for,
+    wait_trainer_gone,
+)
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
 
 pytestmark = pytest.mark.slow
@@ -60,21 +66,8 @@ def test_budget_reached_pauses_then_resume_continues(
     jobs = tenant.client.fine_tuning.jobs
     redis_url = stack.settings.redis_url or ""
     assert _month_counter(redis_url, tenant.org_id, open_month=True) == 0  # a completion opened the month
-    job = jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(tenant, SFT),
-        method={
-            "type": "supervised",
-            "supervised": {
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 1,
-                    "max_steps": STEPS,
-                    "checkpoint_every": 1000,  # the only checkpoint is the one the pause makes
-                }
-            },
-        },
-    )
+    # The only checkpoint is the one the pause makes.
+    job = long_sft_job(tenant, SFT, steps=STEPS, checkpoint_every=1000)
     # The whole run's estimate must fit the budget at create time, so the budget shrinks once it trains.
     wait_for(tenant, job.id, ("running",), timeout=60)
     budget = 0.0001  # about 33 trained tokens at the default $3 per million: a few steps

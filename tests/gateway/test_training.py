@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from tests.support.jobs import (
     all_events,
+    long_sft_job,
     metrics_steps,
     trainer_processes,
     upload_rows,
@@ -216,21 +217,7 @@ def _long_rl(t: Tenant, steps: int) -> Any:
 
 
 def _long_sft(t: Tenant, steps: int = 400) -> Any:
-    return t.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(t, SFT),
-        method={
-            "type": "supervised",
-            "supervised": {
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 1,
-                    "max_steps": steps,
-                    "checkpoint_every": 3,
-                }
-            },
-        },
-    )
+    return long_sft_job(t, SFT, steps=steps)
 
 
 def _wait_steps(t: Tenant, job_id: str, at_least: int, timeout: float = 120) -> None:

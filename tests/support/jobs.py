@@ -67,3 +67,22 @@ def wait_trainer_gone(job_id: str, timeout: float = 30) -> None:
     while trainer_processes(job_id):
         assert time.monotonic() < deadline, f"the trainer of {job_id} is still running"
         time.sleep(0.2)
+
+
+def long_sft_job(t: Tenant, rows: list[dict[str, Any]], *, steps: int, checkpoint_every: int = 3) -> Any:
+    """A supervised job of `steps` single-example steps over `rows` (many epochs), to interrupt mid-run."""
+    return t.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload_rows(t, rows),
+        method={
+            "type": "supervised",
+            "supervised": {
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 1,
+                    "max_steps": steps,
+                    "checkpoint_every": checkpoint_every,
+                }
+            },
+        },
+    )
