@@ -7,9 +7,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import ORJSONResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
@@ -34,6 +36,21 @@ from gateway.tenancy.router import router as admin_router
 from gateway.usage.router import router as usage_router
 
 logger = logging.getLogger(__name__)
+
+
+class GatewayApp(FastAPI):
+    """FastAPI with the request middleware outermost: it sees every request first, and the proxied
+    completions it serves itself never enter Starlette's middleware stack (error, telemetry and body-limit
+    layers that the proxy path handles on its own)."""
+
+    def __init__(self, *, metrics: Metrics, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state.metrics = metrics
+        self._outer = RequestContextMiddleware(super().__call__, metrics=metrics)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self
+        await self._outer(scope, receive, send)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -80,14 +97,13 @@ def create_app(settings: Settings) -> FastAPI:
                 await queue.aclose()
             await pool.close()
 
-    app = FastAPI(
+    app = GatewayApp(
+        metrics=Metrics(),
         title="tunegate",
         version="0.1.0",
         lifespan=lifespan,
         default_response_class=ORJSONResponse,
     )
-    metrics = Metrics()
-    app.state.metrics = metrics
     install_error_handlers(app)
     for router in (
         admin_router,
@@ -102,5 +118,4 @@ def create_app(settings: Settings) -> FastAPI:
     ):
         app.include_router(router)
     app.include_router(graders_router)
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
     return app

@@ -170,6 +170,7 @@ class ModelEngine:
         self.base_parameter_count = self.host.parameter_count()
         self.batches_run = 0
         self.largest_batch = 0
+        self.tokens_generated = 0
         logger.info("engine %s: loaded %s on %s", name, path, device)
 
     def _collect_stop_ids(self, model: Any) -> set[int]:
@@ -254,6 +255,7 @@ class ModelEngine:
             "max_batch_size": self.max_batch_size,
             "batches_run": self.batches_run,
             "largest_batch": self.largest_batch,
+            "tokens_generated": self.tokens_generated,
         }
 
     # ------------------------------------------------------------------ adapters
@@ -493,6 +495,7 @@ class ModelEngine:
         """Account one sampled token to ``row``; the event to send, if any."""
         params = row.req.params
         row.count += 1
+        self.tokens_generated += 1
         row.pending.append(token_id)
         if lp is not None:
             row.pending_logprobs.append(lp)

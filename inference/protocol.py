@@ -40,6 +40,8 @@ class _SamplingFields(OpenAIBaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (as vLLM's extra parameter of the same name)."""
 
     @field_validator("stop")
     @classmethod
@@ -82,6 +84,7 @@ class ChatCompletionRequest(_SamplingFields):
             stop=self.stop_list(),
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
+            ignore_eos=self.ignore_eos,
         )
 
     def forced_tool(self) -> str | None:
@@ -129,6 +132,7 @@ class CompletionRequest(_SamplingFields):
             stop=self.stop_list(),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
+            ignore_eos=self.ignore_eos,
         )
 
 

@@ -276,6 +276,9 @@ def create_app(
             lines.append(f'tunegate_engine_requests_running{{model_name="{name}"}} {s["running"]}')
             lines.append(f'tunegate_engine_requests_waiting{{model_name="{name}"}} {s["waiting"]}')
             lines.append(
+                f'tunegate_engine_generation_tokens_total{{model_name="{name}"}} {s["tokens_generated"]}'
+            )
+            lines.append(
                 f'tunegate_engine_loaded_adapters{{model_name="{name}"}} {len(s["loaded_adapters"])}'
             )
             running = ",".join(s["loaded_adapters"])

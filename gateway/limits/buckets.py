@@ -22,22 +22,25 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "tunegate:"
 DOWN_FOR_S = 5.0
 
-# KEYS: bucket keys. ARGV: now_ms, then (capacity, cost) per key. All buckets must hold their cost, or
-# nothing is taken. Returns {allowed, retry_after_ms, then remaining, ms until full, per key}.
+# KEYS: bucket keys. ARGV: now_ms, then (capacity, cost, lease wanted, given back) per key. What is given back
+# (a lease's leftover; negative: owed) goes in first. All buckets must then hold their cost, or nothing is
+# taken. A bucket that can spare it also lends a lease: at most what was wanted and a sixteenth of what is
+# left after the cost, and nothing under twice the cost (see `leases`). Returns {allowed, retry_after_ms,
+# then remaining, ms until full, lease, per key}.
 TAKE = """
 local now = tonumber(ARGV[1])
 local state = {}
 local allowed = 1
 local retry = 0
 for i, key in ipairs(KEYS) do
-  local cap = tonumber(ARGV[2 * i])
-  local cost = math.min(tonumber(ARGV[2 * i + 1]), cap)
+  local cap = tonumber(ARGV[4 * i - 2])
+  local cost = math.min(tonumber(ARGV[4 * i - 1]), cap)
   local rate = cap / 60000.0
   local h = redis.call('HMGET', key, 'tokens', 'ts')
   local tokens = tonumber(h[1]) or cap
   local ts = tonumber(h[2]) or now
-  tokens = math.min(cap, tokens + math.max(0, now - ts) * rate)
-  state[i] = {tokens, cap, cost, rate}
+  tokens = math.min(cap, tokens + math.max(0, now - ts) * rate + tonumber(ARGV[4 * i + 1]))
+  state[i] = {tokens, cap, cost, rate, tonumber(ARGV[4 * i])}
   if tokens < cost then
     allowed = 0
     retry = math.max(retry, math.ceil((cost - tokens) / rate))
@@ -45,12 +48,19 @@ for i, key in ipairs(KEYS) do
 end
 local out = {allowed, retry}
 for i, key in ipairs(KEYS) do
-  local tokens, cap, cost, rate = state[i][1], state[i][2], state[i][3], state[i][4]
-  if allowed == 1 then tokens = tokens - cost end
+  local tokens, cap, cost, rate, want = state[i][1], state[i][2], state[i][3], state[i][4], state[i][5]
+  local lease = 0
+  if allowed == 1 then
+    tokens = tokens - cost
+    lease = math.min(want, math.floor(tokens / 16))
+    if lease < 2 * cost then lease = 0 end
+    tokens = tokens - lease
+  end
   redis.call('HSET', key, 'tokens', tostring(tokens), 'ts', tostring(now))
   redis.call('PEXPIRE', key, 120000)
   out[#out + 1] = math.floor(math.max(0, tokens))
   out[#out + 1] = math.ceil((cap - tokens) / rate)
+  out[#out + 1] = lease
 end
 return out
 """
@@ -117,6 +127,8 @@ class TakeResult:
     allowed: bool
     retry_after_ms: int
     buckets: list[BucketState]
+    leased: list[int]
+    """The lease each bucket lent besides the cost (0: none)."""
 
 
 def to_micro(usd: float) -> int:
@@ -160,23 +172,28 @@ class Buckets:
         self._down_until = time.monotonic() + DOWN_FOR_S
         logger.warning("redis unavailable for %s, failing open for %.0fs: %s", what, DOWN_FOR_S, exc)
 
-    async def take(self, buckets: list[tuple[str, int, int]]) -> TakeResult | None:
-        """Take `cost` from every `(key, capacity, cost)` bucket, or from none; None when Redis is down."""
+    async def take(
+        self, buckets: list[tuple[str, int, int]], leases: list[tuple[int, int]] | None = None
+    ) -> TakeResult | None:
+        """Take `cost` from every `(key, capacity, cost)` bucket, or from none; None when Redis is down.
+        `leases`: per bucket, `(lease wanted, leftover given back first)`."""
         if not buckets or not self.available:
             return None
         args: list[int] = [int(time.time() * 1000)]
-        for _, cap, cost in buckets:
-            args += [cap, cost]
+        for i, (_, cap, cost) in enumerate(buckets):
+            want, back = leases[i] if leases is not None else (0, 0)
+            args += [cap, cost, want, back]
         try:
             out = await self._take(keys=[b[0] for b in buckets], args=args)
         except (RedisError, OSError) as exc:
             self._failed("rate limits", exc)
             return None
         states = [
-            BucketState(limit=buckets[i][1], remaining=int(out[2 + 2 * i]), reset_ms=int(out[3 + 2 * i]))
+            BucketState(limit=buckets[i][1], remaining=int(out[2 + 3 * i]), reset_ms=int(out[3 + 3 * i]))
             for i in range(len(buckets))
         ]
-        return TakeResult(allowed=bool(out[0]), retry_after_ms=int(out[1]), buckets=states)
+        leased = [int(out[4 + 3 * i]) for i in range(len(buckets))]
+        return TakeResult(allowed=bool(out[0]), retry_after_ms=int(out[1]), buckets=states, leased=leased)
 
     async def adjust(self, buckets: list[tuple[str, int, int]]) -> None:
         """Take `delta` more from each `(key, capacity, delta)` bucket (negative gives back)."""

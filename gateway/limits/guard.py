@@ -3,7 +3,8 @@ after it.
 
 `admit()` takes one request and the estimated tokens (prompt estimate + max tokens) from the key's and the
 organisation's buckets in one Lua call (a key without limits of its own gets `default_requests_per_minute` /
-`default_tokens_per_minute`), then reserves the estimated cost against the organisation's budget
+`default_tokens_per_minute`), or, while this gateway holds leases on all of them, from the leases in memory
+(see `leases`), then reserves the estimated cost against the organisation's budget
 in another; `settle()` gives back the unused tokens and turns the reservation into the actual cost. Limits and
 budgets are cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops
 the entry of an organisation it changes.
@@ -18,14 +19,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 
 from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store
-from gateway.limits.buckets import Buckets, BucketState, bucket_key, month_key, to_micro
+from gateway.limits.buckets import Buckets, BucketState, TakeResult, bucket_key, month_key, to_micro
 from gateway.limits.budget import month_spend_usd
+from gateway.limits.leases import LEASE_TTL_S, Leases
 from gateway.settings import Settings
 from gateway.usage.pricing import completion_cost
 
@@ -104,6 +108,11 @@ class Guard:
         self._adjustments: dict[str, tuple[int, int]] = {}
         """Token-bucket corrections not yet sent: bucket key -> (capacity, tokens to take, negative gives)."""
         self._flusher: asyncio.Task[None] | None = None
+        self.leases = Leases(settings.rate_limit_lease_s)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._renewing: dict[tuple[str, ...], asyncio.Future[None]] = {}
+        """Redis calls in flight per set of buckets: requests that find the leases short meanwhile wait
+        for it (one call renews the leases for all of them) instead of each asking Redis."""
         self.default_key = Limit(
             settings.default_requests_per_minute or None, settings.default_tokens_per_minute or None
         )
@@ -133,10 +142,11 @@ class Guard:
         return policy
 
     def _queue_adjust(self, key: str, cap: int, delta: int) -> None:
-        """Token-bucket corrections are summed per bucket and sent together a few milliseconds later: one
-        Redis call for many requests instead of one each (two calls per request were a third of the
-        gateway's CPU). A correction only gives back or charges the difference to the estimate."""
-        if delta == 0:
+        """Token-bucket corrections go to this gateway's lease on the bucket when it holds one; else they
+        are summed per bucket and sent together a few milliseconds later: one Redis call for many requests
+        instead of one each (two calls per request were a third of the gateway's CPU). A correction only
+        gives back or charges the difference to the estimate."""
+        if delta == 0 or self.leases.settle(key, cap, delta):
             return
         entry = self._adjustments.get(key)
         self._adjustments[key] = (cap, delta + (entry[1] if entry is not None else 0))
@@ -151,6 +161,16 @@ class Guard:
             pending, self._adjustments = self._adjustments, {}
             if pending and self.buckets is not None:
                 await self.buckets.adjust([(k, cap, delta) for k, (cap, delta) in pending.items() if delta])
+
+    async def _sweep_leases(self) -> None:
+        """Give back what expired leases have left, while this gateway holds any."""
+        try:
+            while len(self.leases):
+                await asyncio.sleep(LEASE_TTL_S)
+                for key, cap, left in self.leases.expired(time.monotonic()):
+                    self._queue_adjust(key, cap, -left)
+        finally:
+            self._sweeper = None
 
     def forget(self, org_id: str) -> None:
         """Drop the cached policy of an organisation (its limits or budget changed)."""
@@ -181,7 +201,7 @@ class Guard:
         headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
         token_buckets: list[tuple[str, int, int]] = []
         if checks and self.buckets is not None:
-            taken = await self.buckets.take(checks)
+            taken = await self._take(checks)
             if taken is not None:
                 headers = _headers(kinds, taken.buckets)
                 if not taken.allowed:
@@ -198,6 +218,34 @@ class Guard:
         if policy.budget_micro is not None and self.buckets is not None:
             await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
         return admission
+
+    async def _take(self, checks: list[tuple[str, int, int]]) -> TakeResult | None:
+        """From this gateway's leases when they cover every bucket, else from Redis (renewing them)."""
+        assert self.buckets is not None
+        local = self.leases.take(checks, time.monotonic())
+        if local is not None:
+            return TakeResult(True, 0, local, [])
+        flight = tuple(c[0] for c in checks)
+        pending = self._renewing.get(flight)
+        if pending is not None:
+            await asyncio.shield(pending)
+            local = self.leases.take(checks, time.monotonic())
+            if local is not None:
+                return TakeResult(True, 0, local, [])
+        done = self._renewing[flight] = asyncio.get_running_loop().create_future()
+        try:
+            now = time.monotonic()
+            taken = await self.buckets.take(checks, self.leases.renewals(checks, now))
+            if taken is None or not taken.allowed:
+                return taken
+            states = self.leases.granted(checks, taken.buckets, taken.leased, now)
+        finally:
+            if self._renewing.get(flight) is done:
+                del self._renewing[flight]
+            done.set_result(None)
+        if self._sweeper is None and len(self.leases):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+        return TakeResult(True, 0, states, taken.leased)
 
     async def _reserve(self, adm: Admission, limit: int, prompt_tokens: int, max_tokens: int) -> None:
         assert self.buckets is not None
@@ -220,14 +268,18 @@ class Guard:
         if adm.token_buckets and self.buckets is not None:
             await self.buckets.adjust([(k, cap, -taken) for k, cap, taken in adm.token_buckets])
 
-    async def settle(self, adm: Admission, prompt_tokens: int, completion_tokens: int) -> None:
-        """After the answer: charge the actual tokens and cost instead of the estimate (once)."""
+    def settle(
+        self, adm: Admission, prompt_tokens: int, completion_tokens: int
+    ) -> Coroutine[Any, Any, None] | None:
+        """After the answer: charge the actual tokens instead of the estimate (in memory, at once) and
+        return the budget's settling to await, or None when there is none. Only the first call counts."""
         if adm.settled or self.buckets is None:
-            return
+            return None
         adm.settled = True
         actual = prompt_tokens + completion_tokens
         for key, cap, taken in adm.token_buckets:
             self._queue_adjust(key, cap, actual - taken)
-        if adm.budget_key is not None:
-            cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
-            await self.buckets.settle(adm.budget_key, reserved=adm.reserved_micro, actual=cost)
+        if adm.budget_key is None:
+            return None
+        cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
+        return self.buckets.settle(adm.budget_key, reserved=adm.reserved_micro, actual=cost)

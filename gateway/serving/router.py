@@ -3,7 +3,8 @@
 The hot path is a plain ASGI handler, `proxy_asgi`: the request middleware calls it for these two paths
 before FastAPI's router (no routing, dependency solving, request or response objects per call), and the
 FastAPI routes below delegate to it as well, so both ways answer the same. Errors get the same OpenAI
-envelope the app's handlers give; a client that goes away cancels the request and its upstream call.
+envelope the app's handlers give; a client that goes away cancels the request and its upstream call (watched
+for once a request has run `WATCH_AFTER_S`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ router = APIRouter(prefix="/v1", tags=["serving"])
 
 PROXY_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 """The paths `proxy_asgi` serves (for `POST`)."""
+WATCH_AFTER_S = 0.05
+"""A request still running after this long starts watching for its client going away (most answers come
+sooner, and a task per request to watch would cost more than the rest of the proxying)."""
 
 
 class _Exchange:
@@ -78,14 +82,21 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         await send(message)
 
     watcher: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
     try:
         res: Resources = scope["app"].state.resources
         who = await res.auth.authenticate(bearer_token(_authorization(scope)))
         state = service.serving_state(res)
         body = await _read_body(receive)
-        task = asyncio.current_task()
-        assert task is not None
-        watcher = asyncio.create_task(_watch(receive, task, ex))
+        handler = asyncio.current_task()
+        assert handler is not None
+
+        def watch() -> None:
+            nonlocal watcher
+            if not ex.finished:
+                watcher = asyncio.create_task(_watch(receive, handler, ex))
+
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         proxy = ProxyRequest.parse(body)
         target = await service.resolve(state, res.pool, who, proxy.model)
         if proxy.stream:
@@ -113,6 +124,8 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         await error_response(exc)(scope, receive, send)
     finally:
         ex.finished = True
+        if timer is not None:
+            timer.cancel()
         if watcher is not None and not watcher.done():
             watcher.cancel()
 

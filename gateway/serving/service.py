@@ -242,8 +242,10 @@ async def _meter(
         started=started,
         status=status,
     )
-    if admission is not None and state.guard is not None and not admission.settled:
-        await asyncio.shield(state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens))
+    if admission is not None and state.guard is not None:
+        budget = state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
+        if budget is not None:
+            await asyncio.shield(budget)
 
 
 def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -3,6 +3,7 @@ configured rate and recovery after it; concurrent requests never overspend a bud
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import Iterator
@@ -14,9 +15,11 @@ import openai
 import pytest
 
 from gateway.db import create_pool
+from gateway.errors import RateLimited
 from gateway.limits import store as limits_store
-from gateway.limits.buckets import Buckets, make_limits_redis
+from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis
 from gateway.limits.guard import KINDS, UNLIMITED, Guard
+from gateway.limits.leases import LEASE_TTL_S
 from gateway.settings import ModelPrice
 from gateway.usage.pricing import estimate_prompt_tokens
 from tests.gateway.test_serving import BASE, MESSAGES
@@ -161,6 +164,67 @@ async def test_unlimited_defaults_still_send_headers(
         assert adm.headers["x-ratelimit-limit-requests"] == "7"
         assert adm.headers["x-ratelimit-remaining-requests"] == "6"
         assert adm.headers["x-ratelimit-limit-tokens"] == str(UNLIMITED)
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
+async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """Two guards (two gateways) on one bucket admit mostly from their leases, together exactly the limit
+    (plus what refilled meanwhile); a lease left unused is given back to the bucket when it expires."""
+    org = gw_admin.tenant("lease-" + secrets.token_hex(3))
+    limit = 600
+    gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/limits",
+        json={"max_requests_per_1_minute": limit, "max_tokens_per_1_minute": 100_000_000},
+    ).raise_for_status()
+    settings = make_settings(
+        data_dir=tmp_path, database_url=database, redis_url=services.redis_url, tiny_model=tmp_path
+    )
+    assert settings.rate_limit_lease_s > 0
+    pool = await create_pool(database, min_size=1, max_size=2)
+    redis = make_limits_redis(services.redis_url)
+
+    async def script_calls() -> int:
+        stats = await redis.info("commandstats")
+        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+    try:
+        guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
+        calls_before = await script_calls()
+        started = time.monotonic()
+        admitted = 0
+        refused: set[int] = set()
+        i = 0
+        while len(refused) < 2:
+            g = i % 2
+            i += 1
+            if g in refused:
+                continue
+            try:
+                adm = await guards[g].admit(org.org_id, org.key_id, BASE, 10, 5)
+                assert guards[g].settle(adm, 10, 2) is None  # no budget: nothing to await
+                admitted += 1
+            except RateLimited:
+                refused.add(g)
+        refill = (time.monotonic() - started) * limit / 60
+        calls = await script_calls() - calls_before
+        assert limit <= admitted <= limit + refill + 1, (admitted, refill)
+        assert calls < admitted / 4, (calls, admitted)  # most were admitted from the leases
+
+        # One guard takes a lease and goes quiet: the sweep gives the lease back.
+        fresh = gw_admin.tenant("lease-back-" + secrets.token_hex(3))
+        quiet = Guard(settings, pool, Buckets(redis))
+        for _ in range(40):
+            await quiet.admit(fresh.org_id, fresh.key_id, BASE, 10, 5)
+        key = bucket_key(f"key:{fresh.key_id}", "requests")
+        before = float(await redis.hget(key, "tokens"))
+        assert before < settings.default_requests_per_minute - 40  # the lease is out of the bucket
+        await asyncio.sleep(LEASE_TTL_S * 2 + 0.1)
+        after = float(await redis.hget(key, "tokens"))
+        assert after >= settings.default_requests_per_minute - 40, (before, after)
     finally:
         await redis.aclose()
         await pool.close()

@@ -292,6 +292,39 @@ def test_worker_hook_loads_and_unloads_everywhere(
     assert model not in engine.models()
 
 
+def test_client_leaving_stops_the_engine(org: Tenant, gw: GatewayServer, engine: EngineServer) -> None:
+    """A client that goes away before its answer is complete, streamed or not, stops the engine's work:
+    far fewer tokens are generated than the request asked for (it ignores end-of-sequence)."""
+    asked = 1900
+    body = {"model": BASE, "messages": MESSAGES, "max_tokens": asked, "ignore_eos": True}
+    headers = {"authorization": f"Bearer {org.key}"}
+
+    def stats() -> dict[str, Any]:
+        out: dict[str, Any] = httpx.get(engine.url + "/v1/engine/stats", timeout=10).json()
+        return out
+
+    def generated_until_idle(before: int) -> int:
+        deadline = time.monotonic() + 30
+        while (now := stats())["running"] + now["waiting"]:
+            assert time.monotonic() < deadline, now
+            time.sleep(0.05)
+        return int(now["models"][BASE]["tokens_generated"]) - before
+
+    with httpx.Client(base_url=gw.url, headers=headers, timeout=30) as http:
+        before = stats()["models"][BASE]["tokens_generated"]
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for _ in range(6):
+                next(lines)
+            assert stats()["running"] == 1
+        assert generated_until_idle(before) < asked / 2
+        before = stats()["models"][BASE]["tokens_generated"]
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up on a long non-streamed answer
+            http.post("/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        assert generated_until_idle(before) < asked / 2
+
+
 def test_bad_body_is_a_400(org: Tenant, gw: GatewayServer) -> None:
     with httpx.Client(
         base_url=gw.url, headers={"Authorization": f"Bearer {org.key}"}, trust_env=False
