@@ -1,4 +1,5 @@
-"""`python -m bench [NAME ...] [--quick] [--markdown PATH]`: run benches, write the report and summary."""
+"""`python -m bench [NAME ...] [--quick] [--profile] [--markdown PATH]`: run benches, write the report
+and summary."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
         "names", nargs="*", metavar="NAME", help=f"benches to run (default: all): {', '.join(BENCHES)}"
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds): checks that benches run")
+    parser.add_argument(
+        "--profile", action="store_true", help="also sample the gateway with py-spy under load (gateway)"
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON report goes")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="markdown summary (default: BENCHMARKS.md)"
@@ -30,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown bench(es): {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    opts = Options(quick=args.quick, workdir=args.results_dir / "work")
+    opts = Options(quick=args.quick, workdir=args.results_dir / "work", profile=args.profile)
     report = run_benches(names, opts)
     path = write_report(report, results_dir=args.results_dir, markdown_path=args.markdown)
     print(path)

@@ -27,6 +27,8 @@ class Options:
     """Seconds instead of minutes: tiny loads, few steps (the smoke test's mode)."""
     workdir: Path = RESULTS_DIR / "work"
     """Scratch directory (models, adapters, databases' blobs)."""
+    profile: bool = False
+    """Also sample the gateway with py-spy under load and report where its time goes."""
 
 
 def free_port() -> int:
@@ -57,6 +59,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def steal_seconds(core: int | None) -> float:
+    """Time the hypervisor ran something else while `core` (all cores for None) wanted to run, so far
+    (`steal` in /proc/stat; 0 on machines that do not report it)."""
+    name = "cpu" if core is None else f"cpu{core}"
+    for line in Path("/proc/stat").read_text().splitlines():
+        fields = line.split()
+        if fields and fields[0] == name and len(fields) > 8:
+            return int(fields[8]) / CLK_TCK
+    return 0.0
+
+
 def percentile(values: list[float], q: float) -> float:
     """The `q`-th percentile (0-100) by linear interpolation; NaN for no values."""
     if not values:
@@ -78,6 +91,11 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
         "mean_ms": (statistics.fmean(seconds) * 1000) if seconds else float("nan"),
         "n": len(seconds),
     }
+
+
+def fmt(value: Any, spec: str = ".2f") -> str:
+    """`value` formatted with `spec`, or `-` for None (a figure a run did not produce)."""
+    return "-" if value is None else format(value, spec)
 
 
 def ratio(a: float, b: float) -> float | None:

@@ -100,6 +100,16 @@ def start_upstream(log_path: Path, core: int | None) -> tuple[Process, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def start_nullproxy(upstream_url: str, log_path: Path, core: int | None) -> tuple[Process, str]:
+    """The bare proxy (`bench.nullproxy`) in front of `upstream_url`; returns it and its base URL."""
+    port = free_port()
+    upstream_port = upstream_url.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "bench.nullproxy", str(port), upstream_port]
+    proc = Process(pinned(cmd, core), log_path)
+    wait_port(port, 30, proc.proc)
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def child_env(settings: Settings) -> dict[str, str]:
     return {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
 

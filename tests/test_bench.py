@@ -36,6 +36,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "bench",
             *names,
             "--quick",
+            "--profile",
             "--results-dir",
             str(out),
             "--markdown",
@@ -64,12 +65,37 @@ def test_gateway_bench_pairs_every_point(report: dict[str, Any]) -> None:
     assert "error" not in g, g.get("traceback")
     assert [p["connections"] for p in g["points"]] == [1, 32]
     for p in g["points"]:
-        for side in ("direct", "gateway"):
+        for side in ("direct", "nullproxy", "gateway"):
             assert p[side]["requests"] > 0 and _number(p[side]["rps"]) and _number(p[side]["p99_ms"])
-        assert _number(p["gateway"]["cpu_ms_per_request"])
+            assert p[side]["errors"] == 0 and _number(p[side]["steal_pct"])
+        assert _number(p["gateway"]["cpu_ms_per_request"]) and _number(p["nullproxy"]["cpu_ms_per_request"])
         assert _number(p["gateway_added_p50_ms"]) and _number(p["gateway_throughput_vs_direct"])
+        assert _number(p["gateway_over_floor_p99_ms"]) and _number(p["nullproxy_added_p99_ms"])
         if "litellm" in p:
             assert _number(p["gateway_throughput_vs_litellm"])
+    prof = g["profile"]  # None only where py-spy may not attach to another process
+    if prof is not None:
+        assert prof["samples"] > 0 and prof["self"] and prof["project_inclusive"]
+        assert any("gateway/" in func for _, func in prof["project_inclusive"])
+        assert "Profile of the gateway" in report["_markdown"]
+
+
+def test_profile_summary_counts_own_and_inclusive_samples(tmp_path: Path) -> None:
+    from bench.profile import summarize
+
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "main (tunegate/cli.py:3);proxy (gateway/serving/router.py:9);write (asyncio/streams.py:343) 6\n"
+        "main (tunegate/cli.py:3);proxy (gateway/serving/router.py:12) 3\n"
+        "main (tunegate/cli.py:3);flush (/x/site-packages/asyncpg/connection.py:1150) 1\n"
+    )
+    out = summarize(raw, top=5)
+    assert out["samples"] == 10
+    assert out["self"][0] == [60.0, "write (asyncio/streams.py:343)"]
+    assert [30.0, "proxy (gateway/serving/router.py:12)"] in out["self"]
+    assert [10.0, "flush (asyncpg/connection.py:1150)"] in out["self"]
+    # two lines of one function count once per stack; frames outside the project are not listed
+    assert out["project_inclusive"] == [[90.0, "proxy (gateway/serving/router.py)"]]
 
 
 def test_streaming_bench_measures_ttft_both_ways(report: dict[str, Any]) -> None:

@@ -85,15 +85,25 @@ def _duration(ms: int) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60)}s"
 
 
+NO_BUCKET = BucketState(UNLIMITED, UNLIMITED, 0)
+HEADER_NAMES = {
+    kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
+    for kind in KINDS
+}
+
+
 def _headers(kinds: list[str], states: list[BucketState]) -> dict[str, str]:
     """`x-ratelimit-*` headers: per kind, the bucket with the least left (`UNLIMITED` for a kind without)."""
     out: dict[str, str] = {}
     for kind in KINDS:
-        mine = [s for k, s in zip(kinds, states, strict=True) if k == kind]
-        tight = min(mine, key=lambda s: s.remaining) if mine else BucketState(UNLIMITED, UNLIMITED, 0)
-        out[f"x-ratelimit-limit-{kind}"] = str(tight.limit)
-        out[f"x-ratelimit-remaining-{kind}"] = str(tight.remaining)
-        out[f"x-ratelimit-reset-{kind}"] = _duration(tight.reset_ms)
+        tight = NO_BUCKET
+        for k, state in zip(kinds, states, strict=True):
+            if k == kind and (tight is NO_BUCKET or state.remaining < tight.remaining):
+                tight = state
+        limit, remaining, reset = HEADER_NAMES[kind]
+        out[limit] = str(tight.limit)
+        out[remaining] = str(tight.remaining)
+        out[reset] = _duration(tight.reset_ms)
     return out
 
 
@@ -197,8 +207,7 @@ class Guard:
             if limit.tokens:
                 checks.append((bucket_key(subject, "tokens"), limit.tokens, estimate))
                 kinds.append("tokens")
-        # Until Redis answers (or when it cannot): the effective limits, nothing taken yet.
-        headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
+        headers: dict[str, str] | None = None
         token_buckets: list[tuple[str, int, int]] = []
         if checks and self.buckets is not None:
             taken = await self._take(checks)
@@ -214,6 +223,8 @@ class Guard:
                 token_buckets = [
                     (c[0], c[1], min(c[2], c[1])) for c, k in zip(checks, kinds, strict=True) if k == "tokens"
                 ]
+        if headers is None:  # nothing taken (no limits, or Redis unreachable): the effective limits
+            headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
         admission = Admission(org_id, base_model, token_buckets, None, 0, headers)
         if policy.budget_micro is not None and self.buckets is not None:
             await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
