@@ -120,6 +120,7 @@ class Guard:
         self._flusher: asyncio.Task[None] | None = None
         self.leases = Leases(settings.rate_limit_lease_s)
         self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._renewing: dict[tuple[str, ...], asyncio.Future[None]] = {}
         """Redis calls in flight per set of buckets: requests that find the leases short meanwhile wait
         for it (one call renews the leases for all of them) instead of each asking Redis."""
@@ -232,31 +233,52 @@ class Guard:
 
     async def _take(self, checks: list[tuple[str, int, int]]) -> TakeResult | None:
         """From this gateway's leases when they cover every bucket, else from Redis (renewing them)."""
-        assert self.buckets is not None
         local = self.leases.take(checks, time.monotonic())
         if local is not None:
+            if self.leases.low(checks):
+                flight = tuple(c[0] for c in checks)
+                if flight not in self._renewing:
+                    self._background(self._renew(checks, flight, top_up=True))
             return TakeResult(True, 0, local, [])
         flight = tuple(c[0] for c in checks)
-        pending = self._renewing.get(flight)
-        if pending is not None:
+        # Buckets that lend leases: wait for the renewal in flight rather than ask Redis too. (Those that
+        # do not are asked by every request, as without leases.)
+        while self.leases.leasable(checks) and (pending := self._renewing.get(flight)) is not None:
             await asyncio.shield(pending)
             local = self.leases.take(checks, time.monotonic())
             if local is not None:
                 return TakeResult(True, 0, local, [])
+        return await self._renew(checks, flight)
+
+    async def _renew(
+        self, checks: list[tuple[str, int, int]], flight: tuple[str, ...], *, top_up: bool = False
+    ) -> TakeResult | None:
+        """One Redis call for `checks`: the request's costs and new leases (a `top_up` takes the costs
+        into the leases, for requests still to come). Requests that find the leases short meanwhile wait
+        for it."""
+        assert self.buckets is not None
         done = self._renewing[flight] = asyncio.get_running_loop().create_future()
         try:
             now = time.monotonic()
-            taken = await self.buckets.take(checks, self.leases.renewals(checks, now))
+            renewals = self.leases.renewals(checks, now, top_up=top_up)
+            taken = await self.buckets.take(checks, renewals)
             if taken is None or not taken.allowed:
                 return taken
-            states = self.leases.granted(checks, taken.buckets, taken.leased, now)
+            states = self.leases.granted(checks, taken.buckets, taken.leased, now, top_up=top_up)
         finally:
             if self._renewing.get(flight) is done:
                 del self._renewing[flight]
             done.set_result(None)
         if self._sweeper is None and len(self.leases):
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_leases())
+            self._sweeper = self._background(self._sweep_leases())
         return TakeResult(True, 0, states, taken.leased)
+
+    def _background(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Run `work` as a task this guard keeps a reference to until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _reserve(self, adm: Admission, limit: int, prompt_tokens: int, max_tokens: int) -> None:
         assert self.buckets is not None

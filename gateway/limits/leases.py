@@ -1,11 +1,13 @@
 """Local leases on rate-limit buckets: how a gateway admits most requests without a Redis round trip.
 
 When a request goes to Redis anyway, the gateway may take a little more from each bucket than the request
-costs: a *lease*, sized to about `lease_s` seconds of this gateway's own recent traffic on that bucket and
-never more than a sixteenth of what the bucket holds beyond the request (the script decides; see
-`buckets.TAKE`). Later requests are admitted against the leases in memory until one runs short or a lease is
-`LEASE_TTL_S` old; then the next request goes to Redis again, giving back what its leases have left in the
-same call.
+costs: a *lease*, sized to about `lease_s` seconds of this gateway's own recent traffic on that bucket (every
+request counts, admitted from a lease or from Redis; older traffic weighs less and less) and never more than
+a sixteenth of what the bucket holds beyond the request (the script decides; see `buckets.TAKE`). Later
+requests are admitted against the leases in memory until one runs short or a lease is `LEASE_TTL_S` old;
+then the next request goes to Redis again, giving back what its leases have left in the same call, and the
+requests that find the leases short meanwhile wait for it. A lease down to a quarter of its last grant is
+topped up in the background (`low`), so that steady traffic seldom finds it empty.
 
 Nothing is ever admitted that the shared bucket did not grant, so every gateway together stays within the
 limit. What leases cost is the other way round: tokens leased by one gateway and not yet used are held from
@@ -28,16 +30,30 @@ LEASE_TTL_S = 1.0
 
 @dataclass(slots=True)
 class Lease:
-    """What one gateway holds of one bucket."""
+    """What one gateway holds of one bucket, and how fast it has been using the bucket."""
 
     cap: int
     left: int
     """Taken from Redis and not used yet (negative: used more than taken, owed at the next call)."""
     remaining: int
-    """The bucket's contents in Redis right after the grant (the lease not counted)."""
+    """The bucket's contents in Redis right after the last grant (the lease not counted)."""
     granted: float
-    used: int
-    """Cost admitted under this lease, the request that took it included (sizes the next one)."""
+    """When the last lease was granted (`time.monotonic()`)."""
+    grant: int
+    """The last lease granted."""
+    demand: float
+    """Cost of this gateway's requests on the bucket since `demand_since`."""
+    demand_since: float
+
+    def rate(self, now: float, window: float) -> float:
+        """Cost per second lately; the window is halved (its rate kept) once it is longer than `window`,
+        so that old traffic fades."""
+        span = max(now - self.demand_since, 1e-3)
+        rate = self.demand / span
+        if span > window:
+            self.demand /= 2
+            self.demand_since = now - span / 2
+        return rate
 
 
 def _state(cap: int, remaining: int) -> BucketState:
@@ -67,41 +83,67 @@ class Leases:
         for key, cap, cost in checks:
             lease = held[key]
             lease.left -= cost
-            lease.used += cost
+            lease.demand += cost
             states.append(_state(cap, lease.remaining + lease.left))
         return states
 
-    def renewals(self, checks: list[tuple[str, int, int]], now: float) -> list[tuple[int, int]]:
+    def leasable(self, checks: list[tuple[str, int, int]]) -> bool:
+        """Whether every bucket of `checks` lent a lease last time (waiting for a renewal can help)."""
+        for key, _, _ in checks:
+            lease = self._held.get(key)
+            if lease is None or lease.grant <= 0:
+                return False
+        return True
+
+    def low(self, checks: list[tuple[str, int, int]]) -> bool:
+        """Whether a lease on `checks` is down to a quarter of its last grant (time to top it up)."""
+        for key, _, _ in checks:
+            lease = self._held.get(key)
+            if lease is not None and lease.left * 4 < lease.grant:
+                return True
+        return False
+
+    def renewals(
+        self, checks: list[tuple[str, int, int]], now: float, *, top_up: bool = False
+    ) -> list[tuple[int, int]]:
         """For a Redis call on `checks`: per bucket, `(lease wanted, leftover given back)`. The leftovers
-        leave the leases at once (so concurrent requests do not use them); `granted` adds the new ones."""
+        leave the leases at once (so concurrent requests do not use them), except for a `top_up`, which
+        gives nothing back; `granted` adds the new ones."""
         out = []
         for key, _, _ in checks:
             lease = self._held.get(key)
             want = 0
             give_back = 0
             if lease is not None:
-                give_back, lease.left = lease.left, 0
-                elapsed = now - lease.granted
-                if elapsed > LEASE_TTL_S:
-                    del self._held[key]
-                elif self.lease_s > 0:
-                    want = int(lease.used / max(elapsed, 1e-3) * self.lease_s)
+                if not top_up:
+                    give_back, lease.left = lease.left, 0
+                if self.lease_s > 0:
+                    want = int(lease.rate(now, 4 * self.lease_s) * self.lease_s)
             out.append((want, give_back))
         return out
 
     def granted(
-        self, checks: list[tuple[str, int, int]], states: list[BucketState], leased: list[int], now: float
+        self,
+        checks: list[tuple[str, int, int]],
+        states: list[BucketState],
+        leased: list[int],
+        now: float,
+        *,
+        top_up: bool = False,
     ) -> list[BucketState]:
         """Record the leases a Redis call granted (added to what concurrent calls granted); returns the
-        states to report (the leases counted as still in the bucket)."""
+        states to report (the leases counted as still in the bucket). A `top_up` took the costs for no
+        request: they join the leases."""
         out = []
         for (key, cap, cost), state, lease in zip(checks, states, leased, strict=True):
             held = self._held.get(key)
+            extra, used = (cost, 0) if top_up else (0, cost)
             if held is not None and held.cap == cap:
-                held.left += lease
-                held.remaining, held.granted, held.used = state.remaining, now, cost
+                held.left += lease + extra
+                held.demand += used
+                held.remaining, held.granted, held.grant = state.remaining, now, lease
             elif self.lease_s > 0:
-                self._held[key] = Lease(cap, left=lease, remaining=state.remaining, granted=now, used=cost)
+                self._held[key] = Lease(cap, lease + extra, state.remaining, now, lease, used, now)
             out.append(_state(cap, state.remaining + lease) if lease else state)
         return out
 
