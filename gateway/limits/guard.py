@@ -237,8 +237,8 @@ class Guard:
         if local is not None:
             if self.leases.low(checks):
                 flight = tuple(c[0] for c in checks)
-                if flight not in self._renewing:
-                    self._background(self._renew(checks, flight, top_up=True))
+                if flight not in self._renewing:  # registered now, so that one top-up runs at a time
+                    self._background(self._renew(checks, flight, self._flight(flight), top_up=True))
             return TakeResult(True, 0, local, [])
         flight = tuple(c[0] for c in checks)
         # Buckets that lend leases: wait for the renewal in flight rather than ask Redis too. (Those that
@@ -248,16 +248,25 @@ class Guard:
             local = self.leases.take(checks, time.monotonic())
             if local is not None:
                 return TakeResult(True, 0, local, [])
-        return await self._renew(checks, flight)
+        return await self._renew(checks, flight, self._flight(flight))
+
+    def _flight(self, flight: tuple[str, ...]) -> asyncio.Future[None]:
+        """Register a Redis call on the buckets `flight`: what requests that find them short wait for."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._renewing[flight] = done
+        return done
 
     async def _renew(
-        self, checks: list[tuple[str, int, int]], flight: tuple[str, ...], *, top_up: bool = False
+        self,
+        checks: list[tuple[str, int, int]],
+        flight: tuple[str, ...],
+        done: asyncio.Future[None],
+        *,
+        top_up: bool = False,
     ) -> TakeResult | None:
-        """One Redis call for `checks`: the request's costs and new leases (a `top_up` takes the costs
-        into the leases, for requests still to come). Requests that find the leases short meanwhile wait
-        for it."""
+        """One Redis call for `checks` (registered as `done`): the request's costs and new leases (a
+        `top_up` takes the costs into the leases, for requests still to come)."""
         assert self.buckets is not None
-        done = self._renewing[flight] = asyncio.get_running_loop().create_future()
         try:
             now = time.monotonic()
             renewals = self.leases.renewals(checks, now, top_up=top_up)
