@@ -23,13 +23,13 @@ BENCHES: dict[str, tuple[str, str]] = {
     "streaming": ("bench.streaming", "Streaming: time to first token through the gateway vs direct"),
     "adapters": ("bench.adapters", "Adapters: cold load, first token, throughput with many adapters"),
     "sandbox": ("bench.sandbox", "Sandbox: reward calls per second, sandboxed vs in-process"),
-    "metering": ("bench.metering", "Metering"),
+    "metering": ("bench.metering", "Metering: usage rows per second sustained, none lost"),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",
     ),
 }
-"""name -> (module, title). `metering` lives in `bench/metering.py` (same `run`/`markdown` contract)."""
+"""name -> (module, title)."""
 QUICK_NOTE = " in quick mode (smoke sizes, not meaningful)"
 
 

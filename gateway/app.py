@@ -33,6 +33,7 @@ from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.usage.metrics import UsageCollector
 from gateway.usage.router import router as usage_router
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ def create_app(settings: Settings) -> FastAPI:
         )
         assert res.serving is not None
         res.serving.usage.start(pool)
+        usage_metrics = UsageCollector(res.serving.usage)
+        app.state.metrics.registry.register(usage_metrics)
         limits_redis = make_limits_redis(settings.redis_url) if settings.redis_url else None
         res.serving.guard = Guard(settings, pool, Buckets(limits_redis) if limits_redis is not None else None)
         app.state.resources = res
@@ -91,6 +94,7 @@ def create_app(settings: Settings) -> FastAPI:
             with contextlib.suppress(Exception):
                 await auth.flush_last_used()
             await res.serving.aclose()  # writes the usage still waiting in the buffer
+            app.state.metrics.registry.unregister(usage_metrics)
             if limits_redis is not None:
                 await limits_redis.aclose()
             if queue is not None:

@@ -28,7 +28,7 @@ def _number(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n not in ("metering", "training")]  # training: its own test below
+    names = [n for n in BENCHES if n != "training"]  # training: its own test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -120,6 +120,17 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
     for p in s["points"]:
         assert p["calls"]["sandbox"] > 0 and p["calls"]["in_process"] > 0
         assert _number(p["sandbox_vs_in_process"]) and p["same_rewards"] is True
+
+
+def test_metering_bench_loses_no_usage(report: dict[str, Any]) -> None:
+    m = report["benches"]["metering"]
+    assert "error" not in m, m.get("traceback")
+    for tenant in ("limits", "limits_and_budget"):
+        assert m[tenant]["answered"] > 0 and m[tenant]["lost"] == 0
+        assert m[tenant]["usage_rows"] == m[tenant]["answered"] and _number(m[tenant]["rows_per_s"])
+    assert m["gateway_dropped"] == 0 and _number(m["budget_vs_limits_only"])
+    alone = m["buffer_alone"]
+    assert alone["written"] == alone["recorded"] == alone["rows_in_database"] > 0 and alone["dropped"] == 0
 
 
 def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None:

@@ -84,6 +84,15 @@ def test_chat_non_stream_rewrites_model_and_records_usage(org: Tenant, gw: Gatew
     records = [r for r in serving_state(gw).usage.records if r.organization_id == org.org_id]
     assert records and records[-1].completion_tokens == resp.usage.completion_tokens
     assert records[-1].api_key_id == org.key_id and records[-1].model == BASE
+    buffer = serving_state(gw).usage
+    text = httpx.get(f"{gw.url}/metrics").text
+    counts = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("tunegate_usage_rows_")
+    }
+    assert counts["tunegate_usage_rows_dropped_total"] == buffer.dropped == 0
+    assert counts["tunegate_usage_rows_written_total"] + counts["tunegate_usage_rows_waiting"] >= 1
 
 
 def test_chat_stream_reassembles_with_usage_chunk(org: Tenant) -> None:
