@@ -24,15 +24,7 @@ import httpx
 from bench import litellm_ref, profile
 from bench.common import Options, cores, cpu_seconds, fmt, ratio, steal_seconds
 from bench.load import LoadResult, have_wrk, run_load
-from bench.stack import (
-    Process,
-    Services,
-    bench_settings,
-    make_tenant,
-    start_gateway,
-    start_nullproxy,
-    start_upstream,
-)
+from bench.stack import Process, make_tenant, rig, start_nullproxy
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +69,6 @@ def run(opts: Options) -> dict[str, Any]:
     seconds = 1.0 if opts.quick else 5.0
     server_core, load_core = cores()
     work = opts.workdir / "gateway"
-    work.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "load_generator": "wrk (Debian package), 1 thread, pinned with taskset"
         if have_wrk()
@@ -87,24 +78,19 @@ def run(opts: Options) -> dict[str, Any]:
         "load_core": load_core,
         "points": [],
     }
-    services = Services.start(work, redis=True)
-    procs: list[Process] = []
-    try:
-        upstream, upstream_url = start_upstream(work / "upstream.log", load_core)
-        procs.append(upstream)
-        floor, floor_url = start_nullproxy(upstream_url, work / "nullproxy.log", server_core)
+    # Limits and metering on as deployed (every request takes from its key's buckets), with per-minute limits
+    # high enough that the load itself is never refused.
+    with rig(
+        work,
+        server_core,
+        load_core,
+        default_requests_per_minute=1_000_000_000,
+        default_tokens_per_minute=1_000_000_000_000,
+    ) as r:
+        settings, gateway, procs = r.settings, r.gateway, r.procs
+        floor, floor_url = start_nullproxy(r.upstream_url, work / "nullproxy.log", server_core)
         procs.append(floor)
-        # Limits and metering on as deployed (every request takes from its key's buckets), with per-minute
-        # limits high enough that the load itself is never refused.
-        settings = bench_settings(
-            services,
-            work / "data",
-            upstreams=[upstream_url],
-            default_requests_per_minute=1_000_000_000,
-            default_tokens_per_minute=1_000_000_000_000,
-        )
-        gateway = start_gateway(settings, work / "gateway.log", server_core)
-        procs.append(gateway)
+        upstream_url = r.upstream_url
         gateway_url = f"http://127.0.0.1:{settings.port}"
         _, key = make_tenant(gateway_url, settings)
 
@@ -153,10 +139,6 @@ def run(opts: Options) -> dict[str, Any]:
             time.sleep(0.5)  # py-spy attached before the load starts
             run_load(through, BODY, connections=32, seconds=seconds, token=key, core=load_core)
             report["profile"] = profile.finish(sampler, out)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        services.stop()
     return report
 
 

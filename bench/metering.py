@@ -26,7 +26,7 @@ import httpx
 from bench.common import Options, cores, fmt, ratio
 from bench.gateway_bench import BODY
 from bench.load import run_load
-from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway, start_upstream
+from bench.stack import make_tenant, rig
 
 logger = logging.getLogger(__name__)
 
@@ -105,39 +105,32 @@ async def _buffer_alone(dsn: str, org_id: str, seconds: float) -> dict[str, Any]
 def run(opts: Options) -> dict[str, Any]:
     seconds = 1.0 if opts.quick else 10.0
     server_core, load_core = cores()
-    work = opts.workdir / "metering"
-    work.mkdir(parents=True, exist_ok=True)
-    services = Services.start(work, redis=True)
-    procs: list[Process] = []
     report: dict[str, Any] = {"seconds_per_tenant": seconds, "concurrency": CONCURRENCY}
-    try:
-        upstream, upstream_url = start_upstream(work / "upstream.log", load_core)
-        procs.append(upstream)
-        settings = bench_settings(services, work / "data", upstreams=[upstream_url])
-        gateway = start_gateway(settings, work / "gateway.log", server_core)
-        procs.append(gateway)
-        url = f"http://127.0.0.1:{settings.port}"
-        assert settings.admin_key is not None
-        admin = {"authorization": f"Bearer {settings.admin_key.get_secret_value()}"}
-        tenants = {"limits": make_tenant(url, settings), "limits_and_budget": make_tenant(url, settings)}
+    with rig(opts.workdir / "metering", server_core, load_core) as r:
+        assert r.settings.admin_key is not None
+        admin = {"authorization": f"Bearer {r.settings.admin_key.get_secret_value()}"}
+        tenants = {
+            "limits": make_tenant(r.url, r.settings),
+            "limits_and_budget": make_tenant(r.url, r.settings),
+        }
         httpx.post(
-            f"{url}/v1/admin/organizations/{tenants['limits_and_budget'][0]}/billing",
+            f"{r.url}/v1/admin/organizations/{tenants['limits_and_budget'][0]}/billing",
             json={"monthly_budget_usd": 1e9},
             headers=admin,
             trust_env=False,
         ).raise_for_status()
         for name, (org_id, key) in tenants.items():
-            before = _answered(url)
+            before = _answered(r.url)
             load = run_load(
-                url + "/v1/chat/completions",
+                r.url + "/v1/chat/completions",
                 BODY,
                 connections=CONCURRENCY,
                 seconds=seconds,
                 token=key,
                 core=load_core,
             )
-            answered = _answered(url) - before
-            rows = asyncio.run(_rows(services.database_url, org_id, answered))
+            answered = _answered(r.url) - before
+            rows = asyncio.run(_rows(r.services.database_url, org_id, answered))
             report[name] = {
                 "load": load.to_dict(),
                 "answered": answered,
@@ -145,18 +138,14 @@ def run(opts: Options) -> dict[str, Any]:
                 "lost": answered - rows,
                 "rows_per_s": rows / load.seconds,
             }
-        report["gateway_dropped"] = _dropped(url)
+        report["gateway_dropped"] = _dropped(r.url)
         report["budget_vs_limits_only"] = ratio(
             report["limits_and_budget"]["rows_per_s"], report["limits"]["rows_per_s"]
         )
-        org_id, _ = make_tenant(url, settings)
+        org_id, _ = make_tenant(r.url, r.settings)
         report["buffer_alone"] = asyncio.run(
-            _buffer_alone(services.database_url, org_id, 1.0 if opts.quick else 5.0)
+            _buffer_alone(r.services.database_url, org_id, 1.0 if opts.quick else 5.0)
         )
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        services.stop()
     return report
 
 

@@ -12,6 +12,8 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,6 +129,41 @@ def start_worker(settings: Settings, log_path: Path, **overrides: str) -> Proces
     return Process(
         [sys.executable, "-m", "tunegate", "worker"], log_path, env={**child_env(settings), **overrides}
     )
+
+
+@dataclass
+class Rig:
+    """A running fake upstream and a gateway in front of it, on their own database (see `rig`)."""
+
+    services: Services
+    settings: Settings
+    upstream_url: str
+    gateway: Process
+    url: str
+    """The gateway's base URL."""
+    procs: list[Process]
+    """Everything `rig` stops on exit; add processes of your own to have them stopped first."""
+
+
+@contextmanager
+def rig(workdir: Path, server_core: int | None, load_core: int | None, **settings: Any) -> Iterator[Rig]:
+    """PostgreSQL and Redis with a fresh database, the fake upstream pinned to `load_core` and
+    `python -m tunegate gateway` for it pinned to `server_core` (more `settings` as given); all stopped and
+    the database dropped on exit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    services = Services.start(workdir, redis=True)
+    procs: list[Process] = []
+    try:
+        upstream, upstream_url = start_upstream(workdir / "upstream.log", load_core)
+        procs.append(upstream)
+        config = bench_settings(services, workdir / "data", upstreams=[upstream_url], **settings)
+        gateway = start_gateway(config, workdir / "gateway.log", server_core)
+        procs.append(gateway)
+        yield Rig(services, config, upstream_url, gateway, f"http://127.0.0.1:{config.port}", procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        services.stop()
 
 
 def make_tenant(gateway_url: str, settings: Settings) -> tuple[str, str]:

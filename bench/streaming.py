@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from bench.common import Options, cores, ratio, summary_ms
-from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway, start_upstream
+from bench.stack import make_tenant, rig
 
 logger = logging.getLogger(__name__)
 
@@ -53,25 +53,12 @@ def _ttft(client: httpx.Client, url: str, token: str | None, n: int) -> tuple[li
 def run(opts: Options) -> dict[str, Any]:
     n = 30 if opts.quick else 1000
     server_core, load_core = cores()
-    work = opts.workdir / "streaming"
-    work.mkdir(parents=True, exist_ok=True)
-    services = Services.start(work, redis=True)
-    procs: list[Process] = []
-    try:
-        upstream, upstream_url = start_upstream(work / "upstream.log", load_core)
-        procs.append(upstream)
-        settings = bench_settings(services, work / "data", upstreams=[upstream_url])
-        procs.append(start_gateway(settings, work / "gateway.log", server_core))
-        gateway_url = f"http://127.0.0.1:{settings.port}"
-        _, key = make_tenant(gateway_url, settings)
+    with rig(opts.workdir / "streaming", server_core, load_core) as r:
+        _, key = make_tenant(r.url, r.settings)
         with httpx.Client(timeout=30, trust_env=False) as client:
-            _ttft(client, gateway_url + "/v1/chat/completions", key, 20)  # warm caches and connections
-            d_first, d_total, d_fail = _ttft(client, upstream_url + "/v1/chat/completions", None, n)
-            g_first, g_total, g_fail = _ttft(client, gateway_url + "/v1/chat/completions", key, n)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        services.stop()
+            _ttft(client, r.url + "/v1/chat/completions", key, 20)  # warm caches and connections
+            d_first, d_total, d_fail = _ttft(client, r.upstream_url + "/v1/chat/completions", None, n)
+            g_first, g_total, g_fail = _ttft(client, r.url + "/v1/chat/completions", key, n)
     direct, gateway = summary_ms(d_first), summary_ms(g_first)
     return {
         "requests": n,
