@@ -241,13 +241,16 @@ class Guard:
                     self._background(self._renew(checks, flight, self._flight(flight), top_up=True))
             return TakeResult(True, 0, local, [])
         flight = tuple(c[0] for c in checks)
-        # Buckets that lend leases: wait for the renewal in flight rather than ask Redis too. (Those that
-        # do not are asked by every request, as without leases.)
-        while self.leases.leasable(checks) and (pending := self._renewing.get(flight)) is not None:
+        # A call in flight on the same buckets may bring leases for this request too: wait for it (then for
+        # the next, while the buckets lend leases) rather than add a Redis call of its own. A burst on cold
+        # buckets thus makes one call, not one per request.
+        pending = self._renewing.get(flight)
+        while pending is not None:
             await asyncio.shield(pending)
             local = self.leases.take(checks, time.monotonic())
             if local is not None:
                 return TakeResult(True, 0, local, [])
+            pending = self._renewing.get(flight) if self.leases.leasable(checks) else None
         return await self._renew(checks, flight, self._flight(flight))
 
     def _flight(self, flight: tuple[str, ...]) -> asyncio.Future[None]:
