@@ -31,6 +31,7 @@ from gateway.limits.buckets import Buckets, BucketState, TakeResult, bucket_key,
 from gateway.limits.budget import month_spend_usd
 from gateway.limits.leases import LEASE_TTL_S, Leases
 from gateway.settings import Settings
+from gateway.singleflight import SingleFlight
 from gateway.usage.pricing import completion_cost
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,9 @@ class Guard:
         self.pool = pool
         self.buckets = buckets
         self._policies: dict[str, OrgPolicy] = {}
+        self._loading: SingleFlight[str, OrgPolicy] = SingleFlight()
+        self._forgotten = 0
+        """Policies dropped so far: a load that saw this change while it ran does not cache its result."""
         self._adjustments: dict[str, tuple[int, int]] = {}
         """Token-bucket corrections not yet sent: bucket key -> (capacity, tokens to take, negative gives)."""
         self._flusher: asyncio.Task[None] | None = None
@@ -131,9 +135,18 @@ class Guard:
 
     # ---- cached policies ------------------------------------------------------------------------------
     async def policy(self, org_id: str) -> OrgPolicy:
+        """The organisation's limits and budget: from the cache; an expired entry is still used while one
+        refresh runs in the background (so an expiry under load costs no request a database round trip),
+        a missing one is loaded once for all the requests that want it."""
         hit = self._policies.get(org_id)
-        if hit is not None and hit.expires > time.monotonic():
+        if hit is not None:
+            if hit.expires <= time.monotonic() and org_id not in self._loading:
+                self._loading.start(org_id, lambda: self._load_policy(org_id))
             return hit
+        return await self._loading.run(org_id, lambda: self._load_policy(org_id))
+
+    async def _load_policy(self, org_id: str) -> OrgPolicy:
+        forgotten = self._forgotten
         policy = OrgPolicy(expires=time.monotonic() + self.settings.limits_cache_ttl_s)
         for row in await store.limits_of_org(self.pool, org_id=org_id):
             limit = Limit(row["max_requests_per_1_minute"], row["max_tokens_per_1_minute"])
@@ -149,7 +162,8 @@ class Guard:
             policy.budget_micro = to_micro(billing["monthly_budget_usd"])
         if len(self._policies) > 100_000:
             self._policies.clear()
-        self._policies[org_id] = policy
+        if forgotten == self._forgotten:  # else a change landed meanwhile: the next request reads it
+            self._policies[org_id] = policy
         return policy
 
     def _queue_adjust(self, key: str, cap: int, delta: int) -> None:
@@ -186,6 +200,7 @@ class Guard:
     def forget(self, org_id: str) -> None:
         """Drop the cached policy of an organisation (its limits or budget changed)."""
         self._policies.pop(org_id, None)
+        self._forgotten += 1
 
     async def month_spend_micro(self, org_id: str) -> int:
         """Month-to-date spend of an organisation from the database (completions and training)."""

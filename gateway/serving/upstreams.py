@@ -30,6 +30,7 @@ import httpx
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.limits.guard import Guard
 from gateway.settings import Settings
+from gateway.singleflight import SingleFlight
 from gateway.usage.buffer import UsageBuffer
 
 logger = logging.getLogger(__name__)
@@ -396,7 +397,7 @@ class ServingState:
         """Rate limits and budgets; None (nothing enforced) until the lifespan makes one."""
         self.load_count = 0
         """Adapter loads actually sent to engines (single-flight makes concurrent misses one load)."""
-        self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._loads: SingleFlight[tuple[str, str], None] = SingleFlight()
 
     async def aclose(self) -> None:
         await self.usage.aclose()
@@ -418,14 +419,7 @@ class ServingState:
         """
         if target.adapter_path is None or target.model_id in upstream.loaded:
             return
-        key = (upstream.url, target.model_id)
-        task = self._loads.get(key)
-        if task is None:
-            task = asyncio.create_task(self._load(upstream, target))
-            self._loads[key] = task
-            task.add_done_callback(lambda _t: self._loads.pop(key, None))
-        # Shielded: a waiter that goes away must not cancel the load the others wait for.
-        await asyncio.shield(task)
+        await self._loads.run((upstream.url, target.model_id), lambda: self._load(upstream, target))
 
     async def _load(self, upstream: Upstream, target: Target) -> None:
         assert target.adapter_path is not None

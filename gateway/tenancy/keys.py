@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from gateway.errors import AuthenticationFailed
+from gateway.singleflight import SingleFlight
 from gateway.tenancy import store
 
 logger = logging.getLogger(__name__)
@@ -62,28 +63,40 @@ class Authenticator:
         self._ttl = ttl_s
         self._cache: dict[bytes, tuple[float, Principal]] = {}
         self._used: set[str] = set()
+        self._lookups: SingleFlight[bytes, Principal | None] = SingleFlight()
+        self._forgotten = 0
+        """Keys revoked so far: a lookup that saw a revocation while it ran does not cache its result."""
 
     async def authenticate(self, token: str) -> Principal:
         digest = digest_of(token)
         now = time.monotonic()
         hit = self._cache.get(digest)
         if hit is not None and hit[0] > now:
-            principal = hit[1]
-        else:
-            row = await store.key_by_digest(self._pool, digest=digest)
-            if row is None:
-                self._cache.pop(digest, None)
-                masked = token[:6] + "*" * 4 + token[-4:] if len(token) > 12 else "***"
-                raise AuthenticationFailed(f"Incorrect API key provided: {masked}.")
-            principal = Principal(row["organization_id"], row["id"])
-            if len(self._cache) > 100_000:
-                self._cache.clear()
-            self._cache[digest] = (now + self._ttl, principal)
+            principal: Principal | None = hit[1]
+        else:  # one lookup for all the requests of a key whose entry expired together
+            principal = await self._lookups.run(digest, lambda: self._lookup(digest))
+        if principal is None:
+            masked = token[:6] + "*" * 4 + token[-4:] if len(token) > 12 else "***"
+            raise AuthenticationFailed(f"Incorrect API key provided: {masked}.")
         self._used.add(principal.api_key_id)
+        return principal
+
+    async def _lookup(self, digest: bytes) -> Principal | None:
+        forgotten = self._forgotten
+        row = await store.key_by_digest(self._pool, digest=digest)
+        if row is None:
+            self._cache.pop(digest, None)
+            return None
+        principal = Principal(row["organization_id"], row["id"])
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        if forgotten == self._forgotten:  # else a key was revoked meanwhile: look again next time
+            self._cache[digest] = (time.monotonic() + self._ttl, principal)
         return principal
 
     def forget_key(self, key_id: str) -> None:
         """Drop a revoked key from the cache now."""
+        self._forgotten += 1
         for digest, (_, principal) in list(self._cache.items()):
             if principal.api_key_id == key_id:
                 del self._cache[digest]
