@@ -33,14 +33,20 @@ logger = logging.getLogger(__name__)
 CONCURRENCY = 32
 
 
-def _answered(gateway_url: str) -> int:
-    """Chat completions the gateway has answered with 200 so far (its own request counter)."""
+def _metric(gateway_url: str, name: str, *labels: str) -> float:
+    """The sum of the gateway's `/metrics` samples of `name` that carry all `labels` (`key="value"`)."""
     total = 0.0
     for line in httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text.splitlines():
-        if line.startswith("tunegate_http_requests_total{") and 'route="/v1/chat/completions"' in line:
-            if 'status="200"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-    return int(total)
+        sample, _, value = line.rpartition(" ")
+        if sample.partition("{")[0] == name and all(label in sample for label in labels):
+            total += float(value)
+    return total
+
+
+def _answered(gateway_url: str) -> int:
+    """Chat completions the gateway has answered with 200 so far (its own request counter)."""
+    route, ok = 'route="/v1/chat/completions"', 'status="200"'
+    return int(_metric(gateway_url, "tunegate_http_requests_total", route, ok))
 
 
 async def _rows(dsn: str, org_id: str, expected: int, wait_s: float = 15.0) -> int:
@@ -61,13 +67,6 @@ async def _rows(dsn: str, org_id: str, expected: int, wait_s: float = 15.0) -> i
             await asyncio.sleep(0.2)
     finally:
         await conn.close()
-
-
-def _dropped(gateway_url: str) -> float | None:
-    for line in httpx.get(gateway_url + "/metrics", timeout=10, trust_env=False).text.splitlines():
-        if line.startswith("tunegate_usage_rows_dropped_total "):
-            return float(line.split()[1])
-    return None
 
 
 async def _buffer_alone(dsn: str, org_id: str, seconds: float) -> dict[str, Any]:
@@ -145,7 +144,7 @@ def run(opts: Options) -> dict[str, Any]:
                 "lost": answered - rows,
                 "rows_per_s": rows / load.seconds,
             }
-        report["gateway_dropped"] = _dropped(r.url)
+        report["gateway_dropped"] = _metric(r.url, "tunegate_usage_rows_dropped_total")
         report["budget_vs_limits_only"] = ratio(
             report["limits_and_budget"]["rows_per_s"], report["limits"]["rows_per_s"]
         )

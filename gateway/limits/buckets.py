@@ -173,15 +173,14 @@ class Buckets:
         logger.warning("redis unavailable for %s, failing open for %.0fs: %s", what, DOWN_FOR_S, exc)
 
     async def take(
-        self, buckets: list[tuple[str, int, int]], leases: list[tuple[int, int]] | None = None
+        self, buckets: list[tuple[str, int, int]], leases: list[tuple[int, int]]
     ) -> TakeResult | None:
         """Take `cost` from every `(key, capacity, cost)` bucket, or from none; None when Redis is down.
         `leases`: per bucket, `(lease wanted, leftover given back first)`."""
         if not buckets or not self.available:
             return None
         args: list[int] = [int(time.time() * 1000)]
-        for i, (_, cap, cost) in enumerate(buckets):
-            want, back = leases[i] if leases is not None else (0, 0)
+        for (_, cap, cost), (want, back) in zip(buckets, leases, strict=True):
             args += [cap, cost, want, back]
         try:
             out = await self._take(keys=[b[0] for b in buckets], args=args)

@@ -60,6 +60,8 @@ class OrgPolicy:
     budget_micro: int | None = None
     """Monthly hard limit in micro-USD, None for none."""
     expires: float = 0.0
+    plans: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)
+    """Per API key: the buckets its requests take from, `(Redis key, capacity, kind)` (see `Guard._plan`)."""
 
 
 @dataclass(slots=True)
@@ -213,16 +215,9 @@ class Guard:
         """Let a request through, or raise 429 `rate_limit_exceeded` / `insufficient_quota`."""
         policy = await self.policy(org_id)
         estimate = prompt_tokens + max_tokens
-        checks: list[tuple[str, int, int]] = []
-        kinds: list[str] = []
-        key_limit = policy.keys.get(key_id, self.default_key)
-        for subject, limit in ((f"key:{key_id}", key_limit), (f"org:{org_id}", policy.org)):
-            if limit.requests:
-                checks.append((bucket_key(subject, "requests"), limit.requests, 1))
-                kinds.append("requests")
-            if limit.tokens:
-                checks.append((bucket_key(subject, "tokens"), limit.tokens, estimate))
-                kinds.append("tokens")
+        plan = self._plan(policy, org_id, key_id)
+        checks = [(key, cap, estimate if kind == "tokens" else 1) for key, cap, kind in plan]
+        kinds = [kind for _, _, kind in plan]
         headers: dict[str, str] | None = None
         token_buckets: list[tuple[str, int, int]] = []
         if checks and self.buckets is not None:
@@ -245,6 +240,19 @@ class Guard:
         if policy.budget_micro is not None and self.buckets is not None:
             await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
         return admission
+
+    def _plan(self, policy: OrgPolicy, org_id: str, key_id: str) -> list[tuple[str, int, str]]:
+        """The buckets a request of `key_id` takes from, built once per key and cached policy."""
+        plan = policy.plans.get(key_id)
+        if plan is None:
+            plan = []
+            key_limit = policy.keys.get(key_id, self.default_key)
+            for subject, limit in ((f"key:{key_id}", key_limit), (f"org:{org_id}", policy.org)):
+                for kind, cap in (("requests", limit.requests), ("tokens", limit.tokens)):
+                    if cap:
+                        plan.append((bucket_key(subject, kind), cap, kind))
+            policy.plans[key_id] = plan
+        return plan
 
     async def _take(self, checks: list[tuple[str, int, int]]) -> TakeResult | None:
         """From this gateway's leases when they cover every bucket, else from Redis (renewing them)."""
