@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,16 @@ def _env(body: str) -> str:
     indented = "\n".join("        " + line for line in body.strip().splitlines())
     header = "import os, socket, time\nfrom envsdk import SingleTurnEnv\n\n"
     return f"{header}class Env(SingleTurnEnv):\n    def reward(self, task, completion):\n{indented}\n"
+
+
+def _stderr_when_it_has(sandbox: Sandbox, *needles: str, within_s: float = 10.0) -> str:
+    """The sandbox's stderr once every needle is in it (its reader thread runs behind the RPC answer)."""
+    deadline = time.monotonic() + within_s
+    tail = sandbox.stderr_tail()
+    while not all(needle in tail for needle in needles) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        tail = sandbox.stderr_tail()
+    return tail
 
 
 def _alive_processes(uid: int) -> list[int]:
@@ -218,13 +229,30 @@ return 1.0
     )
     with Sandbox(package, limits=FAST) as sandbox:
         assert sandbox.reward_batch([{"task": {}, "completion": ""}]) == [{"reward": 1.0, "error": None}]
-        assert (
-            "print goes to stderr" in sandbox.stderr_tail() and "raw write to fd 1" in sandbox.stderr_tail()
-        )
+        tail = _stderr_when_it_has(sandbox, "print goes to stderr", "raw write to fd 1")
+        assert "print goes to stderr" in tail and "raw write to fd 1" in tail
         with pytest.raises(SandboxError, match="something else than an RPC answer") as info:
             sandbox.reward_batch([{"task": {"flood": True}, "completion": ""}])
         assert info.value.code == "protocol_error"
         assert not sandbox.running
+
+
+def test_a_non_finite_reward_fails_its_item_and_the_batch_goes_on(make_package, sandbox_backend):
+    package = make_package(_env('return float(task["value"])'))
+    with Sandbox(package, limits=FAST) as sandbox:
+        results = sandbox.reward_batch(
+            [{"task": {"value": v}, "completion": ""} for v in ("1", "nan", "0.25")]
+        )
+        assert results == [
+            {"reward": 1.0, "error": None},
+            {"reward": None, "error": "ValueError: reward must be a finite number, got nan"},
+            {"reward": 0.25, "error": None},
+        ]
+        assert sandbox.running
+        # an integer beyond 64 bits travels too (through the standard library's encoder)
+        assert sandbox.reward_batch([{"task": {"value": 2**70}, "completion": ""}]) == [
+            {"reward": float(2**70), "error": None}
+        ]
 
 
 def test_crash_at_call_time_is_reported(make_package, sandbox_backend):
