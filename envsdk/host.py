@@ -43,12 +43,28 @@ import importlib
 import inspect
 import logging
 from collections.abc import Awaitable, Iterable
+from math import isfinite
 from typing import Any
 
 from envsdk.env import Environment, MultiTurnEnv, SingleTurnEnv, ToolEnv, maybe_await
 from envsdk.types import RewardResult, StepResult, error_text
 
 logger = logging.getLogger(__name__)
+
+
+def _finite(value: Any) -> float:
+    """A reward as a float; NaN and infinities fail that item alone (they have no place in an advantage)."""
+    reward = float(value)
+    if not isfinite(reward):
+        raise ValueError(f"reward must be a finite number, got {reward}")
+    return reward
+
+
+def _reward_result(value: Any) -> RewardResult:
+    try:
+        return RewardResult(_finite(value))
+    except Exception as exc:
+        return RewardResult(None, error_text(exc))
 
 
 class RemoteError(Exception):
@@ -172,7 +188,7 @@ class EnvHost:
                     pending.append((i, value))
                     rewards.append(None)
                 else:
-                    rewards.append(float(value))
+                    rewards.append(_finite(value))
             except Exception as exc:
                 rewards.append(None)
                 errors[i] = error_text(exc)
@@ -191,7 +207,7 @@ class EnvHost:
                 errors[i] = error_text(result)
                 continue
             try:
-                rewards[i] = float(result)
+                rewards[i] = _finite(result)
             except Exception as exc:
                 errors[i] = error_text(exc)
 
@@ -235,9 +251,9 @@ class EnvHost:
             values = list(await maybe_await(env.group_reward(task, completions)))
             if len(values) != len(completions):
                 raise ValueError(f"group_reward returned {len(values)} rewards for {len(completions)}")
-            return [RewardResult(float(v)).to_dict() for v in values]
         except Exception as exc:
             return [RewardResult(None, error_text(exc)).to_dict() for _ in completions]
+        return [_reward_result(v).to_dict() for v in values]
 
     # -- multi turn --------------------------------------------------------------------------------
     async def rpc_reset(self, task: dict[str, Any], episode_id: str | None = None) -> dict[str, Any]:

@@ -74,6 +74,34 @@ def test_async_reward_and_group_reward():
     assert [r["reward"] for r in default] == [1.0, 0.0]
 
 
+class Raw(SingleTurnEnv):
+    def reward(self, task, completion):
+        return task["value"]
+
+    def group_reward(self, task, completions):
+        return [float(c) for c in completions]
+
+
+def test_non_finite_rewards_fail_their_item_alone():
+    with InProcessRunner(Raw) as runner:
+        results = runner.reward_batch(
+            [{"task": {"value": v}, "completion": ""} for v in (0.5, float("nan"), float("-inf"), "x", 2)]
+        )
+        grouped = runner.call("group_reward", {"task": {}, "completions": ["1", "nan", "inf"]})
+    assert results == [
+        {"reward": 0.5, "error": None},
+        {"reward": None, "error": "ValueError: reward must be a finite number, got nan"},
+        {"reward": None, "error": "ValueError: reward must be a finite number, got -inf"},
+        {"reward": None, "error": "ValueError: could not convert string to float: 'x'"},
+        {"reward": 2.0, "error": None},
+    ]
+    assert grouped == [
+        {"reward": 1.0, "error": None},
+        {"reward": None, "error": "ValueError: reward must be a finite number, got nan"},
+        {"reward": None, "error": "ValueError: reward must be a finite number, got inf"},
+    ]
+
+
 class Counter(MultiTurnEnv):
     max_turns = 3
 
