@@ -25,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON report goes")
     parser.add_argument(
-        "--markdown", type=Path, default=None, help="markdown summary (default: BENCHMARKS.md)"
+        "--markdown",
+        type=Path,
+        default=None,
+        help="markdown summary (default: BENCHMARKS.md after a full run, else beside the JSON report)",
     )
     args = parser.parse_args(argv)
     names = args.names or list(BENCHES)

@@ -92,13 +92,17 @@ def render_markdown(report: dict[str, Any]) -> str:
 def write_report(
     report: dict[str, Any], *, results_dir: Path = RESULTS_DIR, markdown_path: Path | None = None
 ) -> Path:
-    """Write `results_dir/bench-<time>.json`, `latest.json` and the markdown summary; returns the first."""
+    """Write `results_dir/bench-<time>.json`, `latest.json` and the markdown summary; returns the first.
+
+    The summary goes to `markdown_path` when given; else to `BENCHMARKS.md` after a full run of every
+    bench (so that it always shows one run of all of them), and beside the JSON report otherwise."""
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = results_dir / f"bench-{stamp}.json"
     text = json.dumps(report, indent=2, default=str)
     path.write_text(text)
     (results_dir / "latest.json").write_text(text)
-    target = markdown_path if markdown_path is not None else ROOT / "BENCHMARKS.md"
+    complete = not report["quick"] and set(report["benches"]) == set(BENCHES)
+    target = markdown_path or (ROOT / "BENCHMARKS.md" if complete else path.with_suffix(".md"))
     target.write_text(render_markdown(report))
     return path

@@ -150,3 +150,18 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
     assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
     assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
     assert "plain TRL" in (tmp_path / "B.md").read_text()
+
+
+def test_only_a_full_run_rewrites_the_summary_file(tmp_path: Path) -> None:
+    from bench.common import machine
+    from bench.registry import write_report
+
+    summary = (ROOT / "BENCHMARKS.md").read_text()
+    base = {"started_at": "now", "machine": machine()}
+    partial = {**base, "quick": False, "benches": {"sandbox": {"skipped": "not here"}}}
+    path = write_report(partial, results_dir=tmp_path)
+    beside = path.with_suffix(".md")
+    assert beside.exists() and "Skipped: not here." in beside.read_text()
+    quick_full = {**base, "quick": True, "benches": {n: {"skipped": "quick"} for n in BENCHES}}
+    assert write_report(quick_full, results_dir=tmp_path).with_suffix(".md").exists()
+    assert (ROOT / "BENCHMARKS.md").read_text() == summary  # untouched by either
