@@ -110,8 +110,9 @@ class Settings(BaseSettings):
 
     usage_buffer_rows: int = 100_000
     """Completion usage rows a gateway holds before a flush; when full, new rows are dropped (and counted)."""
-    usage_flush_rows: int = 500
-    """A flush starts as soon as this many usage rows are waiting."""
+    usage_flush_rows: int = 32
+    """A flush starts as soon as this many usage rows are waiting. Small batches keep each write's burst of
+    database work short (with one client, 500-row batches made the gateway's p99 1-2 ms worse than 32)."""
     usage_flush_interval_s: float = 1.0
     """Longest time a usage row waits in the gateway before it is written."""
     prices: dict[str, ModelPrice] = Field(default_factory=dict)

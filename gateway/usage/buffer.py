@@ -41,9 +41,10 @@ COLUMNS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UsageRecord:
-    """Token usage of one completion."""
+    """Token usage of one completion (not frozen: a frozen dataclass's `__init__` costs three times as much,
+    and one is made on every request)."""
 
     organization_id: str
     api_key_id: str
@@ -89,7 +90,7 @@ class UsageBuffer:
         self,
         *,
         max_rows: int = 100_000,
-        flush_rows: int = 500,
+        flush_rows: int = 32,
         flush_interval_s: float = 1.0,
         recent: int = 1000,
     ) -> None:

@@ -156,3 +156,30 @@ def test_usage_of_another_organisation_is_never_visible(gw: GatewayServer, gw_ad
     assert admin_key is not None
     assert total(admin_key.get_secret_value(), organization_id=a.org_id) == 1
     assert total(admin_key.get_secret_value(), organization_id=b.org_id) == 0
+
+
+def test_a_batch_is_written_whole_even_with_a_row_of_an_unknown_organisation(own_database: str) -> None:
+    """Usage is an append-only log: one row naming no organisation the database knows (there is no foreign
+    key to check on every row) does not fail, and so cannot hold back, the rest of its batch."""
+    from gateway.db import create_pool, migrate
+    from gateway.usage.buffer import UsageBuffer
+
+    async def run() -> list[tuple[str, int]]:
+        await migrate(own_database)
+        pool = await create_pool(own_database, min_size=1, max_size=2)
+        try:
+            buffer = UsageBuffer(flush_interval_s=60)
+            buffer.start(pool)
+            usage = {"prompt_tokens": 3, "completion_tokens": 4}
+            for org in ("org_a", "org_gone", "org_a"):
+                buffer.record(org, "key_1", "tiny-chat", usage, started=time.time())
+            await buffer.aclose()
+            assert buffer.written == 3 and buffer.pending == 0 and buffer.dropped == 0
+            rows = await pool.fetch(
+                "SELECT organization_id, completion_tokens FROM completion_usage ORDER BY id"
+            )
+            return [(r["organization_id"], r["completion_tokens"]) for r in rows]
+        finally:
+            await pool.close()
+
+    assert asyncio.run(run()) == [("org_a", 4), ("org_gone", 4), ("org_a", 4)]
