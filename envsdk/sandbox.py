@@ -198,6 +198,35 @@ def _allocate_uid() -> int:
     return 200_000 + secrets.randbelow(800_000)
 
 
+def _pids_of(uid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    pids.append(int(entry.name))
+            except FileNotFoundError:
+                pass
+    return pids
+
+
+def _kill_uid(uid: int, within_s: float = 5.0) -> None:
+    """SIGKILL what is left of a sandbox's own uid and wait until nothing is: the kernel tears a PID
+    namespace down after its first process died, not with it, and a fork bomb may outlive the group kill
+    for a moment. A closed sandbox thus leaves no process behind."""
+    deadline = time.monotonic() + within_s
+    while pids := _pids_of(uid):
+        if time.monotonic() > deadline:
+            logger.error("sandbox uid %d still has processes %s after SIGKILL", uid, pids[:10])
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+
+
 class Sandbox:
     """One sandboxed environment process.
 
@@ -334,10 +363,13 @@ class Sandbox:
         return self.info
 
     def close(self) -> None:
-        """Kill the process group and remove the scratch directory (idempotent)."""
+        """Kill the process group, and every process left of the sandbox's uid, and remove the scratch
+        directory (idempotent)."""
         proc, self._proc = self._proc, None
         if proc is not None:
             self._kill(proc)
+            if self.uid is not None:
+                _kill_uid(self.uid)
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
