@@ -172,7 +172,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
     b = report["buffer_alone"]
     lines += [
         "",
-        "Throughput with a budget (a reservation and a settlement in Redis per request) relative to limits "
+        "Throughput with a budget (each request's cost held against it, mostly from the gateway's budget "
+        "lease) relative to limits "
         f"alone: {fmt(report['budget_vs_limits_only'], '.2f')}. Rows the gateway dropped: "
         f"{fmt(report['gateway_dropped'], '.0f')}. The usage buffer alone wrote {b['rows_per_s']:.0f} rows/s "
         f"({b['written']} of {b['recorded']} recorded, {b['rows_in_database']} in the database, "

@@ -93,6 +93,8 @@ def create_app(settings: Settings) -> FastAPI:
                 await flusher
             with contextlib.suppress(Exception):
                 await auth.flush_last_used()
+            if res.serving.guard is not None:
+                await res.serving.guard.aclose()  # gives back its budget leases, sends the spend it owes
             await res.serving.aclose()  # writes the usage still waiting in the buffer
             app.state.metrics.registry.unregister(usage_metrics)
             if limits_redis is not None:

@@ -121,9 +121,10 @@ class Settings(BaseSettings):
     limits_cache_ttl_s: float = 10.0
     """How long a gateway trusts its cached rate limits and budgets (its own admin changes apply at once)."""
     rate_limit_lease_s: float = Field(default=0.25, ge=0)
-    """Seconds of its own recent traffic a gateway may take from a large rate-limit bucket in advance, to
-    admit the requests that follow without a Redis round trip (never more than the bucket grants, so limits
-    hold across gateways; small buckets are always counted request by request). 0: ask Redis every time."""
+    """Seconds of its own recent traffic a gateway may take from a large rate-limit bucket, or hold of a
+    monthly budget, in advance, to admit the requests that follow without a Redis round trip (never more
+    than the bucket or the budget grants, so limits and budgets hold across gateways; small buckets and
+    budgets near their end are counted request by request). 0: ask Redis every time."""
     budget_default_max_tokens: int = 256
     """Completion tokens assumed for a budget reservation when a request names no `max_tokens`."""
     default_requests_per_minute: int = Field(default=10_000, ge=0)

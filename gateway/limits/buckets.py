@@ -3,9 +3,9 @@ one Lua script (atomic across every gateway), registered with redis-py `register
 script after a `NOSCRIPT`).
 
 Buckets refill continuously: a limit of N per minute holds at most N and gains N/60 each second. Budgets
-are in micro-USD (whole numbers, so Redis keeps them exact): a hash `{spent, reserved}` per organisation and
-month. If Redis cannot be reached the callers fail open (serving goes on) and log a warning; Redis is then
-left alone for a few seconds so a dead Redis costs no latency.
+are in micro-USD (whole numbers, so Redis keeps them exact): a hash per organisation and month holding
+`spent` and each gateway's hold (see `holds`). If Redis cannot be reached the callers fail open (serving
+goes on) and log a warning; Redis is then left alone for a few seconds so a dead Redis costs no latency.
 """
 
 from __future__ import annotations
@@ -82,28 +82,64 @@ end
 return 1
 """
 
-# KEYS[1]: the month's budget hash. ARGV: limit, estimate, seed ('' when unknown); all micro-USD.
-# Returns {1, spent, reserved} when reserved, {0, spent, reserved} when over budget, {-1} when the month's
-# spend is unknown here (the caller reads it from the database and calls again with a seed).
-RESERVE = """
-local spent = redis.call('HGET', KEYS[1], 'spent')
-if not spent then
-  if ARGV[3] == '' then return {-1} end
-  redis.call('HSETNX', KEYS[1], 'spent', ARGV[3])
-  redis.call('HSETNX', KEYS[1], 'reserved', 0)
-  redis.call('EXPIRE', KEYS[1], 3456000)
-  spent = redis.call('HGET', KEYS[1], 'spent')
+# KEYS[1]: the month's budget hash. ARGV: limit, gateway id, the gateway's hold now (its requests in flight
+# and what is left of its lease), the new request's estimate (0: a sync), lease wanted, cost to add to spent,
+# seed ('' when unknown), now_ms, hold_ttl_ms; money in micro-USD. Other gateways' holds count until their
+# expiry (a gateway that stopped renewing its hold is forgotten). The request fits when spent, every hold and
+# its estimate stay within the limit; a lease is lent when an eighth of the room left beyond that covers it
+# and two estimates at least. The gateway's hold becomes what it held, plus the estimate and the lease when
+# granted. Returns {1, lease} granted, {0, 0} over budget, {-1} spend unknown (the caller reads it from the
+# database and calls again with a seed; nothing was changed).
+HOLD = """
+local key = KEYS[1]
+local limit, me, base = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local est, want, add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local now, ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
+if redis.call('EXISTS', key) == 0 then
+  if ARGV[7] == '' then return {-1} end
+  redis.call('HSET', key, 'spent', ARGV[7], 'reserved', 0)
+  redis.call('EXPIRE', key, 3456000)
+  add = 0
 end
-spent = tonumber(spent)
-local reserved = tonumber(redis.call('HGET', KEYS[1], 'reserved') or '0')
-local est = tonumber(ARGV[2])
-if spent + reserved + est > tonumber(ARGV[1]) then return {0, spent, reserved} end
-redis.call('HINCRBY', KEYS[1], 'reserved', est)
-return {1, spent, reserved + est}
+local fields = redis.call('HGETALL', key)
+local h = {}
+for i = 1, #fields, 2 do h[fields[i]] = fields[i + 1] end
+local spent = tonumber(h['spent'] or '0') + add
+if add ~= 0 then redis.call('HSET', key, 'spent', string.format('%d', spent)) end
+local used = spent + tonumber(h['reserved'] or '0')
+for f, v in pairs(h) do
+  if string.sub(f, 1, 2) == 'x:' then
+    local g = string.sub(f, 3)
+    if g ~= me then
+      if tonumber(v) < now then
+        redis.call('HDEL', key, f, 'h:' .. g)
+      else
+        used = used + tonumber(h['h:' .. g] or '0')
+      end
+    end
+  end
+end
+local room = limit - used - base - est
+local granted, lease = 1, 0
+if room < 0 and est > 0 then
+  granted = 0
+elseif est > 0 then
+  lease = math.min(want, math.floor(room / 8))
+  if lease < 2 * est then lease = 0 end
+end
+local hold = base
+if granted == 1 then hold = base + est + lease end
+if hold > 0 then
+  redis.call('HSET', key, 'h:' .. me, string.format('%d', hold), 'x:' .. me, string.format('%d', now + ttl))
+else
+  redis.call('HDEL', key, 'h:' .. me, 'x:' .. me)
+end
+return {granted, lease}
 """
 
-# KEYS[1]: the month's budget hash. ARGV: reserved estimate to release, actual cost to add (micro-USD).
-# The spend is added only where the hash exists (else the next reservation seeds it from the database).
+# KEYS[1]: the month's budget hash. ARGV: reserved amount to release, actual cost to add (micro-USD): how a
+# worker adds a training run's cost. The spend is added only where the hash exists (else the next request
+# seeds it from the database).
 SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local est = tonumber(ARGV[1])
@@ -157,7 +193,7 @@ class Buckets:
         self.redis = redis
         self._take = redis.register_script(TAKE)
         self._adjust = redis.register_script(ADJUST)
-        self._reserve = redis.register_script(RESERVE)
+        self._hold = redis.register_script(HOLD)
         self._settle = redis.register_script(SETTLE)
         self._down_until = 0.0
         self.failures = 0
@@ -206,16 +242,32 @@ class Buckets:
         except (RedisError, OSError) as exc:
             self._failed("rate limits", exc)
 
-    async def reserve(self, key: str, *, limit: int, estimate: int, seed: int | None) -> int | None:
-        """1 reserved, 0 over budget, -1 spend unknown (call again with `seed`); None when Redis is down."""
+    async def hold(
+        self,
+        key: str,
+        *,
+        gateway: str,
+        limit: int,
+        base: int,
+        estimate: int = 0,
+        lease: int = 0,
+        spent: int = 0,
+        seed: int | None = None,
+        ttl_ms: int,
+    ) -> tuple[int, int] | None:
+        """One `HOLD` call (see the script): `(1, lease)` granted, `(0, 0)` over budget, `(-1, 0)` spend
+        unknown (call again with `seed`); None when Redis is down."""
         if not self.available:
             return None
+        now_ms = int(time.time() * 1000)
+        known = "" if seed is None else seed
+        args: list[str | int] = [limit, gateway, base, estimate, lease, spent, known, now_ms, ttl_ms]
         try:
-            out = await self._reserve(keys=[key], args=[limit, estimate, "" if seed is None else seed])
+            out = await self._hold(keys=[key], args=args)
         except (RedisError, OSError) as exc:
             self._failed("budgets", exc)
             return None
-        return int(out[0])
+        return int(out[0]), int(out[1]) if len(out) > 1 else 0
 
     async def settle(self, key: str, *, reserved: int, actual: int) -> None:
         """Release a reservation and add the actual cost (both micro-USD)."""

@@ -4,10 +4,10 @@ after it.
 `admit()` takes one request and the estimated tokens (prompt estimate + max tokens) from the key's and the
 organisation's buckets in one Lua call (a key without limits of its own gets `default_requests_per_minute` /
 `default_tokens_per_minute`), or, while this gateway holds leases on all of them, from the leases in memory
-(see `leases`), then reserves the estimated cost against the organisation's budget
-in another; `settle()` gives back the unused tokens and turns the reservation into the actual cost. Limits and
-budgets are cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops
-the entry of an organisation it changes.
+(see `leases`), then holds the estimated cost against the organisation's budget, from this gateway's budget
+lease or with another call (see `holds`); `settle()` gives back the unused tokens and turns the estimate into
+the actual cost, in memory. Limits and budgets are cached here for `limits_cache_ttl_s` (no database round
+trip per request); the admin API drops the entry of an organisation it changes.
 
 Every admitted request carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers: the
 tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
@@ -17,7 +17,9 @@ the effective limits as both limit and remaining).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import secrets
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store
 from gateway.limits.buckets import Buckets, BucketState, TakeResult, bucket_key, month_key, to_micro
 from gateway.limits.budget import month_spend_usd
+from gateway.limits.holds import HOLD_TTL_S, SYNC_S, Account
 from gateway.limits.leases import LEASE_TTL_S, Leases
 from gateway.settings import Settings
 from gateway.singleflight import SingleFlight
@@ -127,6 +130,11 @@ class Guard:
         self.leases = Leases(settings.rate_limit_lease_s)
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._accounts: dict[str, Account] = {}
+        """This gateway's budget holds, by month key (see `holds`)."""
+        self._syncer: asyncio.Task[None] | None = None
+        self.gateway_id = secrets.token_hex(8)
+        """Names this gateway's hold in the month hashes."""
         self._renewing: dict[tuple[str, ...], asyncio.Future[None]] = {}
         """Redis calls in flight per set of buckets: requests that find the leases short meanwhile wait
         for it (one call renews the leases for all of them) instead of each asking Redis."""
@@ -200,8 +208,11 @@ class Guard:
             self._sweeper = None
 
     def forget(self, org_id: str) -> None:
-        """Drop the cached policy of an organisation (its limits or budget changed)."""
+        """Drop the cached policy of an organisation (its limits or budget changed), and its budget lease."""
         self._policies.pop(org_id, None)
+        account = self._accounts.get(month_key(org_id))
+        if account is not None:
+            account.available = 0
         self._forgotten += 1
 
     async def month_spend_micro(self, org_id: str) -> int:
@@ -316,38 +327,124 @@ class Guard:
         return task
 
     async def _reserve(self, adm: Admission, limit: int, prompt_tokens: int, max_tokens: int) -> None:
-        assert self.buckets is not None
+        """Hold the request's estimated cost against the budget: from this gateway's lease, else with one
+        Redis call (after the one in flight on the same month, if any); 429 `insufficient_quota` when over."""
         estimate = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, max_tokens))
         key = month_key(adm.org_id)
-        result = await self.buckets.reserve(key, limit=limit, estimate=estimate, seed=None)
-        if result == -1:
-            seed = await self.month_spend_micro(adm.org_id)
-            result = await self.buckets.reserve(key, limit=limit, estimate=estimate, seed=seed)
-        if result == 0:
-            await self._refund_tokens(adm)
-            raise InsufficientQuota(
-                "You exceeded your current quota: the organization's monthly budget is spent.",
-                headers=adm.headers,
+        account = self._accounts.get(key)
+        if account is None:
+            account = self._accounts[key] = Account(adm.org_id, limit)
+            if self._syncer is None:
+                self._syncer = self._background(self._sync_holds())
+        account.limit = limit
+        while not account.take(estimate, time.monotonic()):
+            if account.call is not None:
+                await asyncio.shield(account.call)
+                continue
+            granted = await self._hold(key, account, estimate)
+            if granted is None:  # Redis unreachable: fail open (nothing held, nothing to settle)
+                return
+            if not granted:
+                await self._refund_tokens(adm)
+                raise InsufficientQuota(
+                    "You exceeded your current quota: the organization's monthly budget is spent.",
+                    headers=adm.headers,
+                )
+            break
+        adm.budget_key, adm.reserved_micro = key, estimate
+
+    async def _hold(self, key: str, account: Account, estimate: int) -> bool | None:
+        """One Redis call for `account` (the only one in flight on it): sends its spend and its hold and, for
+        a request's `estimate`, asks for it and for a lease. True granted, False over budget, None when Redis
+        is unreachable."""
+        assert self.buckets is not None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        account.call = done
+        try:
+            now = time.monotonic()
+            account.expire(now)
+            base, owed = account.hold, account.unsent
+            call = functools.partial(
+                self.buckets.hold,
+                key,
+                gateway=self.gateway_id,
+                limit=account.limit,
+                base=base,
+                estimate=estimate,
+                lease=account.want(now, self.leases.lease_s) if estimate else 0,
+                spent=owed,
+                ttl_ms=int(HOLD_TTL_S * 1000),
             )
-        if result == 1:
-            adm.budget_key, adm.reserved_micro = key, estimate
+            out = await call()
+            if out is not None and out[0] == -1:  # a new month (or a new Redis): seed it from the database
+                out = await call(seed=await self.month_spend_micro(account.org_id))
+            if out is None:
+                return None
+            granted, lease = out
+            account.unsent -= owed
+            account.synced = time.monotonic()
+            account.sent_hold = base
+            if granted and estimate:
+                account.admitted(estimate)
+                account.available += lease
+                account.sent_hold += estimate + lease
+                if lease:
+                    account.granted = account.synced
+            return bool(granted)
+        finally:
+            account.call = None
+            done.set_result(None)
+
+    async def _sync_holds(self) -> None:
+        """Tell Redis this gateway's spend and holds every `SYNC_S` while it holds or owes any."""
+        try:
+            while self._accounts:
+                await asyncio.sleep(SYNC_S)
+                now = time.monotonic()
+                due = []
+                for key, account in list(self._accounts.items()):
+                    account.expire(now)
+                    if account.idle:
+                        del self._accounts[key]
+                    elif account.call is None and account.due(now):
+                        due.append(self._hold(key, account, 0))
+                # Shielded: a call cut short could not tell whether Redis counted the spend it carried.
+                results = await asyncio.shield(asyncio.gather(*due, return_exceptions=True))
+                for result in results:
+                    if isinstance(result, Exception):
+                        logger.warning("could not sync a budget hold: %s", result)
+        finally:
+            self._syncer = None
+
+    async def aclose(self) -> None:
+        """Stop the background work; give back every lease and send what is owed (the gateway stops)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.buckets is None:
+            return
+        for key, account in list(self._accounts.items()):
+            while account.call is not None:  # a sync still running
+                await asyncio.shield(account.call)
+            account.available = 0
+            if account.due(time.monotonic()):
+                await self._hold(key, account, 0)
 
     async def _refund_tokens(self, adm: Admission) -> None:
         if adm.token_buckets and self.buckets is not None:
             await self.buckets.adjust([(k, cap, -taken) for k, cap, taken in adm.token_buckets])
 
-    def settle(
-        self, adm: Admission, prompt_tokens: int, completion_tokens: int
-    ) -> Coroutine[Any, Any, None] | None:
-        """After the answer: charge the actual tokens instead of the estimate (in memory, at once) and
-        return the budget's settling to await, or None when there is none. Only the first call counts."""
+    def settle(self, adm: Admission, prompt_tokens: int, completion_tokens: int) -> None:
+        """After the answer: charge the actual tokens and cost instead of the estimates, in memory (the next
+        Redis calls carry them). Only the first call counts."""
         if adm.settled or self.buckets is None:
-            return None
+            return
         adm.settled = True
         actual = prompt_tokens + completion_tokens
         for key, cap, taken in adm.token_buckets:
             self._queue_adjust(key, cap, actual - taken)
-        if adm.budget_key is None:
-            return None
-        cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
-        return self.buckets.settle(adm.budget_key, reserved=adm.reserved_micro, actual=cost)
+        account = self._accounts.get(adm.budget_key) if adm.budget_key is not None else None
+        if account is not None:
+            cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
+            account.settle(adm.reserved_micro, cost)

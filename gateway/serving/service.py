@@ -218,7 +218,7 @@ async def _admit(
     return await state.guard.admit(who.organization_id, who.api_key_id, target.base_model, prompt, most)
 
 
-async def _meter(
+def _meter(
     state: ServingState,
     who: Principal,
     proxy: ProxyRequest,
@@ -229,10 +229,8 @@ async def _meter(
     started: float,
     status: int,
 ) -> None:
-    """After the answer: one usage row (batched, off the request path) and the guard settled.
-
-    Safe to call from a `finally` of a cancelled request: the settling runs shielded from cancellation.
-    """
+    """After the answer: one usage row (batched, off the request path) and the guard settled, both in memory
+    (nothing awaited, so a `finally` of a cancelled request runs it whole)."""
     rec = state.usage.record(
         who.organization_id,
         who.api_key_id,
@@ -243,9 +241,7 @@ async def _meter(
         status=status,
     )
     if admission is not None and state.guard is not None:
-        budget = state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
-        if budget is not None:
-            await asyncio.shield(budget)
+        state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
 
 
 def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -280,7 +276,7 @@ async def complete(
         status = exc.status
         raise
     finally:
-        await _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+        _meter(state, who, proxy, target, admission, usage, started=started, status=status)
 
 
 SSE_HEADERS = [
@@ -303,7 +299,7 @@ async def stream(
         up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model))
     except BaseException as exc:
         status = exc.status if isinstance(exc, APIError) else 499
-        await _meter(state, who, proxy, target, admission, None, started=started, status=status)
+        _meter(state, who, proxy, target, admission, None, started=started, status=status)
         raise
     rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
     pieces = resp.chunks()
@@ -312,7 +308,7 @@ async def stream(
     except BaseException as exc:
         up.in_flight -= 1
         await resp.aclose()
-        await _meter(state, who, proxy, target, admission, None, started=started, status=503)
+        _meter(state, who, proxy, target, admission, None, started=started, status=503)
         if isinstance(exc, UpstreamBroken):
             raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
         raise
@@ -368,7 +364,7 @@ async def stream(
             # No usage chunk (the client left early or the stream broke): bill what was sent, about
             # one token per chunk, and the estimated prompt.
             usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
-        await _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+        _meter(state, who, proxy, target, admission, usage, started=started, status=status)
     await send(
         {
             "type": "http.response.body",

@@ -52,7 +52,7 @@ def _month_counter(redis_url: str, org_id: str, *, open_month: bool = False) -> 
         buckets = Buckets(make_limits_redis(redis_url))
         try:
             if open_month:
-                await buckets.reserve(month_key(org_id), limit=10**15, estimate=0, seed=0)
+                await buckets.hold(month_key(org_id), gateway="test", limit=10**15, base=0, seed=0, ttl_ms=1)
             return int(await buckets.redis.hget(month_key(org_id), "spent") or 0)
         finally:
             await buckets.redis.aclose()

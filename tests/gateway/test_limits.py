@@ -13,18 +13,27 @@ from typing import Any
 
 import openai
 import pytest
+from redis.asyncio import Redis
 
 from gateway.db import create_pool
-from gateway.errors import RateLimited
+from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store as limits_store
-from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis
+from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis, month_key, to_micro
 from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.limits.leases import LEASE_TTL_S
 from gateway.settings import ModelPrice
 from gateway.usage.pricing import estimate_prompt_tokens
 from tests.gateway.test_serving import BASE, MESSAGES
 from tests.support.engine import EngineServer
-from tests.support.stack import Admin, GatewayServer, Services, admin_of, make_settings, start_gateway
+from tests.support.stack import (
+    Admin,
+    GatewayServer,
+    Services,
+    Tenant,
+    admin_of,
+    make_settings,
+    start_gateway,
+)
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
 
@@ -108,6 +117,33 @@ def test_concurrent_requests_never_overspend_the_budget(gw_admin: Admin) -> None
     assert outcomes.count("insufficient_quota") == 50 - served
 
 
+async def _script_calls(redis: Redis) -> int:
+    """Lua script calls Redis has run so far (every limit and budget call is one)."""
+    stats = await redis.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+async def _alternate_until_refused(guards: list[Guard], org: Tenant, refusal: type[Exception]) -> list[int]:
+    """Requests (10 prompt tokens, 5 at most of completion, 2 used) through each guard in turn until every
+    guard refuses with `refusal`; how many each admitted."""
+    admitted = [0] * len(guards)
+    refused: set[int] = set()
+    i = 0
+    while len(refused) < len(guards):
+        g = i % len(guards)
+        i += 1
+        if g in refused:
+            continue
+        try:
+            adm = await guards[g].admit(org.org_id, org.key_id, BASE, 10, 5)
+        except refusal:
+            refused.add(g)
+            continue
+        guards[g].settle(adm, 10, 2)
+        admitted[g] += 1
+    return admitted
+
+
 RATE_HEADERS = [f"x-ratelimit-{what}-{kind}" for what in ("limit", "remaining", "reset") for kind in KINDS]
 
 
@@ -187,30 +223,13 @@ async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
     pool = await create_pool(database, min_size=1, max_size=2)
     redis = make_limits_redis(services.redis_url)
 
-    async def script_calls() -> int:
-        stats = await redis.info("commandstats")
-        return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
-
     try:
         guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
-        calls_before = await script_calls()
+        calls_before = await _script_calls(redis)
         started = time.monotonic()
-        admitted = 0
-        refused: set[int] = set()
-        i = 0
-        while len(refused) < 2:
-            g = i % 2
-            i += 1
-            if g in refused:
-                continue
-            try:
-                adm = await guards[g].admit(org.org_id, org.key_id, BASE, 10, 5)
-                assert guards[g].settle(adm, 10, 2) is None  # no budget: nothing to await
-                admitted += 1
-            except RateLimited:
-                refused.add(g)
+        admitted = sum(await _alternate_until_refused(guards, org, RateLimited))
         refill = (time.monotonic() - started) * limit / 60
-        calls = await script_calls() - calls_before
+        calls = await _script_calls(redis) - calls_before
         assert limit <= admitted <= limit + refill + 1, (admitted, refill)
         assert calls < admitted / 4, (calls, admitted)  # most were admitted from the leases
 
@@ -225,6 +244,83 @@ async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
         await asyncio.sleep(LEASE_TTL_S * 2 + 0.1)
         after = float(await redis.hget(key, "tokens"))
         assert after >= settings.default_requests_per_minute - 40, (before, after)
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
+async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """Two guards (two gateways) spend one organisation's budget: mostly from their budget leases, together
+    never beyond it and close to all of it; closing them gives their leases back and sends their spend, so
+    Redis ends with exactly what was spent and no holds."""
+    org = gw_admin.tenant("budget-lease-" + secrets.token_hex(3))
+    budget_usd = 3000.0  # at $1 a token: 200 estimates of 15 tokens, 250 answers of 12
+    gw_admin.http.post(
+        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": budget_usd}
+    ).raise_for_status()
+    settings = make_settings(
+        data_dir=tmp_path,
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tmp_path,
+        prices={BASE: DOLLAR_PER_TOKEN},
+        default_requests_per_minute=0,
+        default_tokens_per_minute=0,
+    )
+    pool = await create_pool(database, min_size=1, max_size=2)
+    redis = make_limits_redis(services.redis_url)
+    try:
+        guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
+        calls_before = await _script_calls(redis)
+        admitted = await _alternate_until_refused(guards, org, InsufficientQuota)
+        calls = await _script_calls(redis) - calls_before
+        served = sum(admitted)
+        assert 12 * served <= budget_usd, admitted  # never beyond the budget
+        assert 12 * served >= budget_usd - 15 - budget_usd / 8, admitted  # and close to all of it
+        assert min(admitted) > 0 and calls < served / 4, (calls, admitted)  # mostly from the leases
+        for guard in guards:
+            await guard.aclose()
+        month = await redis.hgetall(month_key(org.org_id))
+        assert int(month[b"spent"]) == to_micro(12.0) * served
+        assert not [f for f in month if f.startswith((b"h:", b"x:"))], month
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
+async def test_a_hold_that_is_not_renewed_stops_counting(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """A gateway that died holding the whole budget blocks the others only until its hold expires."""
+    org = gw_admin.tenant("budget-dead-" + secrets.token_hex(3))
+    gw_admin.http.post(
+        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": 100.0}
+    ).raise_for_status()
+    settings = make_settings(
+        data_dir=tmp_path,
+        database_url=database,
+        redis_url=services.redis_url,
+        tiny_model=tmp_path,
+        prices={BASE: DOLLAR_PER_TOKEN},
+    )
+    pool = await create_pool(database, min_size=1, max_size=2)
+    redis = make_limits_redis(services.redis_url)
+    try:
+        buckets = Buckets(redis)
+        key = month_key(org.org_id)
+        everything = to_micro(100.0)
+        held = await buckets.hold(key, gateway="dead", limit=everything, base=everything, seed=0, ttl_ms=300)
+        assert held == (1, 0)
+        guard = Guard(settings, pool, buckets)
+        with pytest.raises(InsufficientQuota):
+            await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
+        await asyncio.sleep(0.4)
+        adm = await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
+        assert adm.budget_key == key and adm.reserved_micro == to_micro(15.0)
+        assert b"h:dead" not in await redis.hgetall(key)  # forgotten by the call that found it expired
+        await guard.aclose()
     finally:
         await redis.aclose()
         await pool.close()
