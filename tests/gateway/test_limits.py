@@ -4,13 +4,15 @@ configured rate and recovery after it; concurrent requests never overspend a bud
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import openai
 import pytest
 from redis.asyncio import Redis
@@ -117,6 +119,18 @@ def test_concurrent_requests_never_overspend_the_budget(gw_admin: Admin) -> None
     assert outcomes.count("insufficient_quota") == 50 - served
 
 
+@contextlib.asynccontextmanager
+async def _pool_and_redis(database: str, redis_url: str) -> AsyncIterator[tuple[asyncpg.Pool, Redis]]:
+    """A database pool and a limits Redis client for guards made in the test."""
+    pool = await create_pool(database, min_size=1, max_size=2)
+    redis = make_limits_redis(redis_url)
+    try:
+        yield pool, redis
+    finally:
+        await redis.aclose()
+        await pool.close()
+
+
 async def _script_calls(redis: Redis) -> int:
     """Lua script calls Redis has run so far (every limit and budget call is one)."""
     stats = await redis.info("commandstats")
@@ -183,9 +197,7 @@ async def test_unlimited_defaults_still_send_headers(
         default_requests_per_minute=0,
         default_tokens_per_minute=0,
     )
-    pool = await create_pool(database, min_size=1, max_size=1)
-    redis = make_limits_redis(services.redis_url)
-    try:
+    async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guard = Guard(settings, pool, Buckets(redis))
         org_id = org.org_id
         adm = await guard.admit(org_id, org.key_id, BASE, 10, 5)
@@ -200,9 +212,6 @@ async def test_unlimited_defaults_still_send_headers(
         assert adm.headers["x-ratelimit-limit-requests"] == "7"
         assert adm.headers["x-ratelimit-remaining-requests"] == "6"
         assert adm.headers["x-ratelimit-limit-tokens"] == str(UNLIMITED)
-    finally:
-        await redis.aclose()
-        await pool.close()
 
 
 async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
@@ -220,10 +229,7 @@ async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
         data_dir=tmp_path, database_url=database, redis_url=services.redis_url, tiny_model=tmp_path
     )
     assert settings.rate_limit_lease_s > 0
-    pool = await create_pool(database, min_size=1, max_size=2)
-    redis = make_limits_redis(services.redis_url)
-
-    try:
+    async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
         calls_before = await _script_calls(redis)
         started = time.monotonic()
@@ -244,9 +250,6 @@ async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
         await asyncio.sleep(LEASE_TTL_S * 2 + 0.1)
         after = float(await redis.hget(key, "tokens"))
         assert after >= settings.default_requests_per_minute - 40, (before, after)
-    finally:
-        await redis.aclose()
-        await pool.close()
 
 
 async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
@@ -269,9 +272,7 @@ async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
         default_requests_per_minute=0,
         default_tokens_per_minute=0,
     )
-    pool = await create_pool(database, min_size=1, max_size=2)
-    redis = make_limits_redis(services.redis_url)
-    try:
+    async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
         calls_before = await _script_calls(redis)
         admitted = await _alternate_until_refused(guards, org, InsufficientQuota)
@@ -285,9 +286,6 @@ async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
         month = await redis.hgetall(month_key(org.org_id))
         assert int(month[b"spent"]) == to_micro(12.0) * served
         assert not [f for f in month if f.startswith((b"h:", b"x:"))], month
-    finally:
-        await redis.aclose()
-        await pool.close()
 
 
 async def test_a_hold_that_is_not_renewed_stops_counting(
@@ -305,9 +303,7 @@ async def test_a_hold_that_is_not_renewed_stops_counting(
         tiny_model=tmp_path,
         prices={BASE: DOLLAR_PER_TOKEN},
     )
-    pool = await create_pool(database, min_size=1, max_size=2)
-    redis = make_limits_redis(services.redis_url)
-    try:
+    async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         buckets = Buckets(redis)
         key = month_key(org.org_id)
         everything = to_micro(100.0)
@@ -321,6 +317,3 @@ async def test_a_hold_that_is_not_renewed_stops_counting(
         assert adm.budget_key == key and adm.reserved_micro == to_micro(15.0)
         assert b"h:dead" not in await redis.hgetall(key)  # forgotten by the call that found it expired
         await guard.aclose()
-    finally:
-        await redis.aclose()
-        await pool.close()
