@@ -2,11 +2,11 @@
 
 `record()` is a list append (no await, no lock): the request never waits for the database. A background task
 writes waiting rows with one `COPY` (asyncpg `copy_records_to_table`) whenever `flush_rows` are waiting or
-`flush_interval_s` has passed, handing the rows to the COPY a slice of `YIELD_EVERY` at a time so that
-requests run between slices (a 500-row batch encoded in one go held the event loop for 2 ms, the gateway's
-largest stall); `aclose()` writes what is left. When the buffer is full (the database is down
-for long), new rows are dropped and counted in `dropped` rather than slowing serving; the default size holds
-minutes of heavy load.
+`flush_interval_s` has passed, on a connection of the pool it keeps, handing the rows to the COPY a slice of
+`YIELD_EVERY` at a time so that requests run between slices (a 500-row batch encoded in one go held the
+event loop for 2 ms, the gateway's largest stall); `aclose()` writes what is left. When the buffer is full
+(the database is down for long), new rows are dropped and counted in `dropped` rather than slowing serving;
+the default size holds minutes of heavy load.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ class UsageBuffer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flush_lock = asyncio.Lock()
+        self._conn: Any = None
+        """The pool connection flushes write through, kept between them (a connection back in the pool is
+        reset with a query of its own: one more round trip per flush); handed back after an error."""
 
     # ---- the request side ---------------------------------------------------------------------------
     def add(self, rec: UsageRecord) -> None:
@@ -180,11 +183,13 @@ class UsageBuffer:
                 return 0
             batch, self._rows = self._rows, []
             try:
-                async with self._pool.acquire() as conn:
-                    await conn.copy_records_to_table(
-                        "completion_usage", records=_rows(batch), columns=COLUMNS
-                    )
+                if self._conn is None:
+                    self._conn = await self._pool.acquire()
+                await self._conn.copy_records_to_table(
+                    "completion_usage", records=_rows(batch), columns=COLUMNS
+                )
             except BaseException:
+                await self._release()  # in an unknown state: the pool resets it, or drops it if broken
                 room = max(0, self.max_rows - len(self._rows))
                 self.dropped += max(0, len(batch) - room)
                 self._rows[:0] = batch[:room]
@@ -203,3 +208,11 @@ class UsageBuffer:
             await self.flush()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             logger.error("usage lost at shutdown (%d rows): %s", len(self._rows), exc)
+        await self._release()
+
+    async def _release(self) -> None:
+        """Hand the flushes' connection back to the pool."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pool is not None:
+            with contextlib.suppress(Exception):
+                await self._pool.release(conn)

@@ -183,3 +183,52 @@ def test_a_batch_is_written_whole_even_with_a_row_of_an_unknown_organisation(own
             await pool.close()
 
     assert asyncio.run(run()) == [("org_a", 4), ("org_gone", 4), ("org_a", 4)]
+
+
+def test_usage_recorded_while_postgres_restarts_is_written_once_it_is_back(tmp_path: Path) -> None:
+    """The flushes' kept connection dies with the server: the rows wait in the buffer, and the first flush
+    after the restart writes them on a new connection, none lost and none twice."""
+    import pgserver
+
+    from gateway.db import create_pool, migrate
+    from gateway.usage.buffer import UsageBuffer
+
+    pgdata = tmp_path / "pg"
+    server = pgserver.get_server(pgdata, cleanup_mode="stop")
+    dsn = server.get_uri()
+    usage = {"prompt_tokens": 3, "completion_tokens": 4}
+
+    async def run() -> tuple[int, int, int]:
+        nonlocal server
+        await migrate(dsn)
+        pool = await create_pool(dsn, min_size=1, max_size=2)
+        try:
+            buffer = UsageBuffer(flush_interval_s=60)
+            buffer._pool = pool  # flushed by hand below, not by the background task
+            for _ in range(3):
+                buffer.record("org_a", "key_1", "tiny-chat", usage, started=time.time())
+            assert await buffer.flush() == 3
+            server.cleanup()  # stops PostgreSQL under the kept connection
+            for _ in range(2):
+                buffer.record("org_a", "key_1", "tiny-chat", usage, started=time.time())
+            with pytest.raises((OSError, asyncpg.PostgresError, asyncpg.InterfaceError)):
+                await buffer.flush()
+            assert buffer.pending == 2
+            server = pgserver.get_server(pgdata, cleanup_mode="stop")
+            written = 0
+            for _ in range(50):  # the pool may hand out a dead connection first
+                try:
+                    written = await buffer.flush()
+                    break
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+                    await asyncio.sleep(0.2)
+            await buffer.aclose()
+            rows = await pool.fetchval("SELECT count(*) FROM completion_usage")
+            return written, rows, buffer.dropped
+        finally:
+            await pool.close()
+
+    try:
+        assert asyncio.run(run()) == (2, 5, 0)
+    finally:
+        server.cleanup()
