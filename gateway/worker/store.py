@@ -29,7 +29,10 @@ WITH candidate AS (
 )
 UPDATE fine_tuning_jobs j
 SET status = 'running', worker_id = $1, heartbeat_at = now(), attempts = j.attempts + 1,
-    started_at = coalesce(j.started_at, now())
+    started_at = coalesce(j.started_at, now()),
+    -- an attempt starts from the last checkpoint: steps reported after it are trained again
+    current_step = coalesce((SELECT c.step_number FROM fine_tuning_job_checkpoints c
+                             WHERE c.job_id = j.id AND c.path = j.last_checkpoint), j.current_step)
 FROM candidate WHERE j.id = candidate.id
 RETURNING j.*"""
 HEARTBEAT = """
