@@ -78,19 +78,17 @@ def gateway(
     workers: Annotated[int, typer.Option(help="uvicorn worker processes")] = 1,
 ) -> None:
     """Run the API gateway (needs TUNEGATE_DATABASE_URL and TUNEGATE_REDIS_URL)."""
-    import uvicorn
+    from gateway.httpserver import serve
 
     settings = Settings()
     _logging(settings)
     _need_database(settings)
-    uvicorn.run(
+    serve(
         "gateway.main:app",
-        factory=False,
         host=host or settings.host,
         port=port or settings.port,
         workers=workers,
         log_level=settings.log_level,
-        access_log=False,
     )
 
 

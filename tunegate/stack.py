@@ -91,18 +91,11 @@ def run_stack(settings: Settings) -> int:
         children.append(subprocess.Popen([sys.executable, "-m", "tunegate", "worker"], env=env))
         if engine_models:
             _wait_http(f"http://127.0.0.1:{settings.engine_port}/health", 120, children[0])
-        import uvicorn
-
         from gateway.app import create_app
+        from gateway.httpserver import serve
 
         print(f"tunegate is up: http://{settings.host}:{settings.port}/v1", flush=True)
-        uvicorn.run(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            access_log=False,
-        )
+        serve(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
         return 0
     except KeyboardInterrupt:
         return 0

@@ -24,6 +24,7 @@ import openai
 import uvicorn
 
 from gateway.app import create_app
+from gateway.httpserver import Server as HttpServer
 from gateway.settings import BaseModelConfig, Settings, settings_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ class Services:
 
 
 class GatewayServer:
-    """The gateway app served by uvicorn in a background thread."""
+    """The gateway app served by its HTTP server (`gateway.httpserver`) in a background thread."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -132,7 +133,7 @@ class GatewayServer:
             access_log=False,
             lifespan="on",
         )
-        self.server = uvicorn.Server(config)
+        self.server = HttpServer(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> GatewayServer:
