@@ -42,7 +42,10 @@ def _measured(
     seconds: float,
     core: int | None,
     server_core: int | None,
+    warm_s: float = 0.0,
 ) -> dict[str, Any]:
+    if warm_s:  # the same load first, unmeasured: the point is the steady state, not the ramp to it
+        run_load(url, BODY, connections=connections, seconds=warm_s, token=token, core=core)
     before = cpu_seconds(proc.pid) if proc is not None else 0.0
     stolen = steal_seconds(server_core)
     result: LoadResult = run_load(url, BODY, connections=connections, seconds=seconds, token=token, core=core)
@@ -67,6 +70,7 @@ def _warm(url: str, token: str | None, n: int = 50) -> None:
 def run(opts: Options) -> dict[str, Any]:
     concurrencies = [1, 32] if opts.quick else [1, 32, 256]
     seconds = 1.0 if opts.quick else 5.0
+    warm_s = 0.0 if opts.quick else 1.0
     server_core, load_core = cores()
     work = opts.workdir / "gateway"
     report: dict[str, Any] = {
@@ -74,6 +78,7 @@ def run(opts: Options) -> dict[str, Any]:
         if have_wrk()
         else "httpx AsyncClient in the bench process (wrk not installed)",
         "seconds_per_point": seconds,
+        "warm_up_s": warm_s,
         "server_core": server_core,
         "load_core": load_core,
         "points": [],
@@ -120,7 +125,14 @@ def run(opts: Options) -> dict[str, Any]:
 
             def measure(url: str, token: str | None, proc: Process | None, c: int = c) -> dict[str, Any]:
                 return _measured(
-                    url, token, proc, connections=c, seconds=seconds, core=load_core, server_core=server_core
+                    url,
+                    token,
+                    proc,
+                    connections=c,
+                    seconds=seconds,
+                    core=load_core,
+                    server_core=server_core,
+                    warm_s=warm_s,
                 )
 
             point["direct"] = measure(direct, None, None)
@@ -163,7 +175,9 @@ def _ratios(point: dict[str, Any]) -> dict[str, Any]:
 
 def markdown(report: dict[str, Any]) -> list[str]:
     lines = [
-        f"Load generator: {report['load_generator']}. {report['seconds_per_point']:.0f} s per point; "
+        f"Load generator: {report['load_generator']}. {report['seconds_per_point']:.0f} s per point, "
+        f"after {report.get('warm_up_s', 0):.0f} s of the same load unmeasured (a jump from 32 to 256 "
+        "clients first costs the gateway a second of new connections and longer queues); "
         f"proxies on core {report['server_core']}, load and fake upstream on core {report['load_core']}. "
         f"LiteLLM: {report['litellm']['status']} (version {report['litellm']['version']}). Floor: "
         "`bench/nullproxy.py`, a bare uvloop proxy on the gateway's core (no auth, limits or metering): "
