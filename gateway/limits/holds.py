@@ -22,9 +22,9 @@ what it loses is the spend of its last sync interval in the Redis counter, which
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from gateway.limits.leases import LEASE_TTL_S
+from gateway.limits.leases import LEASE_TTL_S, Demand
 
 SYNC_S = LEASE_TTL_S / 2
 """How often a gateway that holds or owes budget tells Redis (its spend, its hold)."""
@@ -51,9 +51,8 @@ class Account:
     """When the lease was last granted (`time.monotonic()`)."""
     synced: float = 0.0
     """When Redis last heard from this account (its hold expires `HOLD_TTL_S` later)."""
-    demand: float = 0.0
-    """Estimates admitted since `demand_since` (how fast this gateway spends)."""
-    demand_since: float = 0.0
+    demand: Demand = field(default_factory=Demand)
+    """Estimates admitted lately (how fast this gateway spends)."""
     call: asyncio.Future[None] | None = None
     """The Redis call in flight on this account (one at a time), done when it is."""
 
@@ -77,7 +76,7 @@ class Account:
 
     def admitted(self, estimate: int) -> None:
         self.in_flight += estimate
-        self.demand += estimate
+        self.demand.cost += estimate
 
     def settle(self, estimate: int, actual: int) -> None:
         """A request admitted here ended: its estimate leaves the hold, its actual cost is owed to Redis."""
@@ -98,13 +97,10 @@ class Account:
             self.available = 0
 
     def want(self, now: float, lease_s: float) -> int:
-        """The lease to ask for: `lease_s` of this gateway's recent spending (older spending fading)."""
-        if lease_s <= 0 or not self.demand_since:
-            self.demand_since = self.demand_since or now
+        """The lease to ask for: `lease_s` of this gateway's recent spending (nothing before it has any)."""
+        if lease_s <= 0:
             return 0
-        span = max(now - self.demand_since, 1e-3)
-        rate = self.demand / span
-        if span > 4 * lease_s:
-            self.demand /= 2
-            self.demand_since = now - span / 2
-        return int(rate * lease_s)
+        if not self.demand.since:
+            self.demand.since = now
+            return 0
+        return int(self.demand.rate(now, 4 * lease_s) * lease_s)

@@ -29,6 +29,24 @@ LEASE_TTL_S = 1.0
 
 
 @dataclass(slots=True)
+class Demand:
+    """How fast this gateway has been using something lately (a bucket, a budget): cost since `since`, the
+    window halved (its rate kept) once it is longer than asked, so that old traffic fades."""
+
+    cost: float = 0.0
+    since: float = 0.0
+
+    def rate(self, now: float, window: float) -> float:
+        """Cost per second lately."""
+        span = max(now - self.since, 1e-3)
+        rate = self.cost / span
+        if span > window:
+            self.cost /= 2
+            self.since = now - span / 2
+        return rate
+
+
+@dataclass(slots=True)
 class Lease:
     """What one gateway holds of one bucket, and how fast it has been using the bucket."""
 
@@ -41,19 +59,7 @@ class Lease:
     """When the last lease was granted (`time.monotonic()`)."""
     grant: int
     """The last lease granted."""
-    demand: float
-    """Cost of this gateway's requests on the bucket since `demand_since`."""
-    demand_since: float
-
-    def rate(self, now: float, window: float) -> float:
-        """Cost per second lately; the window is halved (its rate kept) once it is longer than `window`,
-        so that old traffic fades."""
-        span = max(now - self.demand_since, 1e-3)
-        rate = self.demand / span
-        if span > window:
-            self.demand /= 2
-            self.demand_since = now - span / 2
-        return rate
+    demand: Demand
 
 
 def _state(cap: int, remaining: int) -> BucketState:
@@ -83,7 +89,7 @@ class Leases:
         for key, cap, cost in checks:
             lease = held[key]
             lease.left -= cost
-            lease.demand += cost
+            lease.demand.cost += cost
             states.append(_state(cap, lease.remaining + lease.left))
         return states
 
@@ -118,7 +124,7 @@ class Leases:
                 if not top_up:
                     give_back, lease.left = lease.left, 0
                 if self.lease_s > 0:
-                    want = int(lease.rate(now, 4 * self.lease_s) * self.lease_s)
+                    want = int(lease.demand.rate(now, 4 * self.lease_s) * self.lease_s)
             out.append((want, give_back))
         return out
 
@@ -140,10 +146,10 @@ class Leases:
             extra, used = (cost, 0) if top_up else (0, cost)
             if held is not None and held.cap == cap:
                 held.left += lease + extra
-                held.demand += used
+                held.demand.cost += used
                 held.remaining, held.granted, held.grant = state.remaining, now, lease
             elif self.lease_s > 0:
-                self._held[key] = Lease(cap, lease + extra, state.remaining, now, lease, used, now)
+                self._held[key] = Lease(cap, lease + extra, state.remaining, now, lease, Demand(used, now))
             out.append(_state(cap, state.remaining + lease) if lease else state)
         return out
 
