@@ -97,7 +97,7 @@ local est, want, add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local now, ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
 if redis.call('EXISTS', key) == 0 then
   if ARGV[7] == '' then return {-1} end
-  redis.call('HSET', key, 'spent', ARGV[7], 'reserved', 0)
+  redis.call('HSET', key, 'spent', ARGV[7])
   redis.call('EXPIRE', key, 3456000)
   add = 0
 end
@@ -106,7 +106,7 @@ local h = {}
 for i = 1, #fields, 2 do h[fields[i]] = fields[i + 1] end
 local spent = tonumber(h['spent'] or '0') + add
 if add ~= 0 then redis.call('HSET', key, 'spent', string.format('%d', spent)) end
-local used = spent + tonumber(h['reserved'] or '0')
+local used = spent
 for f, v in pairs(h) do
   if string.sub(f, 1, 2) == 'x:' then
     local g = string.sub(f, 3)
@@ -137,14 +137,11 @@ end
 return {granted, lease}
 """
 
-# KEYS[1]: the month's budget hash. ARGV: reserved amount to release, actual cost to add (micro-USD): how a
-# worker adds a training run's cost. The spend is added only where the hash exists (else the next request
-# seeds it from the database).
-SETTLE = """
+# KEYS[1]: the month's budget hash. ARGV: cost to add to its spend (micro-USD): how a worker adds a training
+# run's cost. Added only where the hash exists (else the next request seeds it from the database).
+ADD_SPENT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local est = tonumber(ARGV[1])
-if est > 0 then redis.call('HINCRBY', KEYS[1], 'reserved', -est) end
-redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[2]))
+redis.call('HINCRBY', KEYS[1], 'spent', tonumber(ARGV[1]))
 return 1
 """
 
@@ -194,7 +191,7 @@ class Buckets:
         self._take = redis.register_script(TAKE)
         self._adjust = redis.register_script(ADJUST)
         self._hold = redis.register_script(HOLD)
-        self._settle = redis.register_script(SETTLE)
+        self._add_spent = redis.register_script(ADD_SPENT)
         self._down_until = 0.0
         self.failures = 0
         """Redis calls that failed (each one let its request through)."""
@@ -269,11 +266,11 @@ class Buckets:
             return None
         return int(out[0]), int(out[1]) if len(out) > 1 else 0
 
-    async def settle(self, key: str, *, reserved: int, actual: int) -> None:
-        """Release a reservation and add the actual cost (both micro-USD)."""
+    async def add_spent(self, key: str, cost: int) -> None:
+        """Add `cost` (micro-USD) to the month's spend."""
         if not self.available:
             return
         try:
-            await self._settle(keys=[key], args=[reserved, actual])
+            await self._add_spent(keys=[key], args=[cost])
         except (RedisError, OSError) as exc:
             self._failed("budgets", exc)

@@ -501,7 +501,7 @@ class JobRun:
         # training used (a rolled-back transaction would over-count: budgets err on the strict side).
         cost = training_cost(self.settings, self.job["model"], tokens, seconds)
         if self.spend is not None and cost > 0:
-            await self.spend.settle(month_key(self.org_id), reserved=0, actual=to_micro(cost))
+            await self.spend.add_spent(month_key(self.org_id), to_micro(cost))
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
