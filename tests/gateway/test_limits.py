@@ -23,7 +23,7 @@ from gateway.limits import store as limits_store
 from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis, month_key, to_micro
 from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.limits.leases import LEASE_TTL_S
-from gateway.settings import ModelPrice
+from gateway.settings import ModelPrice, Settings
 from gateway.usage.pricing import estimate_prompt_tokens
 from tests.gateway.test_serving import BASE, MESSAGES
 from tests.support.engine import EngineServer
@@ -131,6 +131,19 @@ async def _pool_and_redis(database: str, redis_url: str) -> AsyncIterator[tuple[
         await pool.close()
 
 
+def _guard_settings(services: Services, database: str, tmp_path: Path, **extra: Any) -> Settings:
+    """Settings for guards made in the test, on the shared database and Redis."""
+    return make_settings(
+        data_dir=tmp_path, database_url=database, redis_url=services.redis_url, tiny_model=tmp_path, **extra
+    )
+
+
+def _set_budget(admin: Admin, org: Tenant, usd: float) -> None:
+    admin.http.post(
+        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": usd}
+    ).raise_for_status()
+
+
 async def _script_calls(redis: Redis) -> int:
     """Lua script calls Redis has run so far (every limit and budget call is one)."""
     stats = await redis.info("commandstats")
@@ -189,13 +202,8 @@ async def test_unlimited_defaults_still_send_headers(
 ) -> None:
     """With both defaults 0 (unlimited) a key without limits takes nothing, yet its headers are there."""
     org = gw_admin.tenant("unl-" + secrets.token_hex(3))
-    settings = make_settings(
-        data_dir=tmp_path,
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tmp_path,
-        default_requests_per_minute=0,
-        default_tokens_per_minute=0,
+    settings = _guard_settings(
+        services, database, tmp_path, default_requests_per_minute=0, default_tokens_per_minute=0
     )
     async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guard = Guard(settings, pool, Buckets(redis))
@@ -225,9 +233,7 @@ async def test_leases_admit_locally_and_two_gateways_never_exceed_the_limit(
         f"/v1/admin/api_keys/{org.key_id}/limits",
         json={"max_requests_per_1_minute": limit, "max_tokens_per_1_minute": 100_000_000},
     ).raise_for_status()
-    settings = make_settings(
-        data_dir=tmp_path, database_url=database, redis_url=services.redis_url, tiny_model=tmp_path
-    )
+    settings = _guard_settings(services, database, tmp_path)
     assert settings.rate_limit_lease_s > 0
     async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
@@ -260,14 +266,11 @@ async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
     Redis ends with exactly what was spent and no holds."""
     org = gw_admin.tenant("budget-lease-" + secrets.token_hex(3))
     budget_usd = 3000.0  # at $1 a token: 200 estimates of 15 tokens, 250 answers of 12
-    gw_admin.http.post(
-        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": budget_usd}
-    ).raise_for_status()
-    settings = make_settings(
-        data_dir=tmp_path,
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tmp_path,
+    _set_budget(gw_admin, org, budget_usd)
+    settings = _guard_settings(
+        services,
+        database,
+        tmp_path,
         prices={BASE: DOLLAR_PER_TOKEN},
         default_requests_per_minute=0,
         default_tokens_per_minute=0,
@@ -293,16 +296,8 @@ async def test_a_hold_that_is_not_renewed_stops_counting(
 ) -> None:
     """A gateway that died holding the whole budget blocks the others only until its hold expires."""
     org = gw_admin.tenant("budget-dead-" + secrets.token_hex(3))
-    gw_admin.http.post(
-        f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": 100.0}
-    ).raise_for_status()
-    settings = make_settings(
-        data_dir=tmp_path,
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tmp_path,
-        prices={BASE: DOLLAR_PER_TOKEN},
-    )
+    _set_budget(gw_admin, org, 100.0)
+    settings = _guard_settings(services, database, tmp_path, prices={BASE: DOLLAR_PER_TOKEN})
     async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         buckets = Buckets(redis)
         key = month_key(org.org_id)
