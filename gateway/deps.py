@@ -11,7 +11,7 @@ from arq.connections import ArqRedis
 from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
-from gateway.errors import AuthenticationFailed
+from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator, Principal, bearer_token
@@ -50,8 +50,15 @@ PoolDep = Annotated[asyncpg.Pool, Depends(get_pool)]
 async def get_principal(
     res: ResourcesDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
-    """The calling organisation, from a live API key."""
-    return await res.auth.authenticate(bearer_token(authorization))
+    """The calling organisation, from a live API key of a person (keys minted for an eval run or a job may
+    call the inference routes only, see `gateway.tenancy.scoped`)."""
+    who = await res.auth.authenticate(bearer_token(authorization))
+    if who.kind != "user":
+        raise PermissionDenied(
+            f"This key was minted for the gateway's own work (kind '{who.kind}') and may call only the "
+            "inference routes (/v1/chat/completions, /v1/completions)."
+        )
+    return who
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

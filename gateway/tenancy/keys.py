@@ -2,7 +2,8 @@
 
 The authenticator caches lookups for a few seconds so the request path makes no database round trip for a
 key it has seen; a revocation on this gateway drops the entry at once, other gateways see it within the TTL.
-`last_used_at` is written in batches by a background flush, never on the request path.
+`last_used_at` is written in batches by a background flush, never on the request path. An expiring key (one
+the system minted for its own work, see `gateway.tenancy.scoped`) is cached no longer than it lives.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Principal:
 
     organization_id: str
     api_key_id: str
+    kind: str = "user"
+    """`user` for keys made through the admin API; `eval` or `job` for keys the system minted for one eval
+    run or training job (`gateway.tenancy.scoped`), which may call the inference routes only."""
 
 
 def generate_key() -> tuple[str, str, bytes]:
@@ -87,11 +91,12 @@ class Authenticator:
         if row is None:
             self._cache.pop(digest, None)
             return None
-        principal = Principal(row["organization_id"], row["id"])
+        principal = Principal(row["organization_id"], row["id"], row["kind"])
         if len(self._cache) > 100_000:
             self._cache.clear()
         if forgotten == self._forgotten:  # else a key was revoked meanwhile: look again next time
-            self._cache[digest] = (time.monotonic() + self._ttl, principal)
+            ttl = self._ttl if row["expires_in_s"] is None else min(self._ttl, row["expires_in_s"])
+            self._cache[digest] = (time.monotonic() + ttl, principal)
         return principal
 
     def forget_key(self, key_id: str) -> None:

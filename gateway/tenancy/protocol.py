@@ -39,6 +39,10 @@ class ApiKey(OpenAIBaseModel):
     created_at: int
     last_used_at: int | None
     revoked_at: int | None
+    kind: str = "user"
+    """`user` (made through the admin API), or `eval` / `job`: minted by a worker for one eval run or job."""
+    expires_at: int | None = None
+    """When a minted key stops working unless its holder renews it (null for people's keys)."""
     key: str | None = None
     """The plaintext key: present only in the response that created it."""
 
@@ -52,5 +56,7 @@ class ApiKey(OpenAIBaseModel):
             created_at=_ts(row["created_at"]) or 0,
             last_used_at=_ts(row["last_used_at"]),
             revoked_at=_ts(row["revoked_at"]),
+            kind=row["kind"],
+            expires_at=_ts(row["expires_at"]),
             key=key,
         )

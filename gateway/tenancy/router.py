@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter
 
 from gateway.deps import AdminDep, PoolDep, ResourcesDep
@@ -43,8 +45,11 @@ async def create_api_key(org_id: str, pool: PoolDep, body: ApiKeyCreate | None =
 
 
 @router.get("/organizations/{org_id}/api_keys")
-async def list_api_keys(org_id: str, pool: PoolDep) -> ApiKeyList:
-    return ApiKeyList(data=await service.list_keys(pool, org_id))
+async def list_api_keys(
+    org_id: str, pool: PoolDep, kind: Literal["user", "eval", "job", "all"] = "user"
+) -> ApiKeyList:
+    """People's keys; `kind=eval|job|all` shows the keys workers minted for eval runs and jobs too."""
+    return ApiKeyList(data=await service.list_keys(pool, org_id, None if kind == "all" else kind))
 
 
 @router.delete("/api_keys/{key_id}")

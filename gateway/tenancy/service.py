@@ -32,9 +32,10 @@ async def create_key(pool: asyncpg.Pool, org_id: str, name: str | None) -> ApiKe
     return ApiKey.from_row(row, key=plaintext)
 
 
-async def list_keys(pool: asyncpg.Pool, org_id: str) -> list[ApiKey]:
+async def list_keys(pool: asyncpg.Pool, org_id: str, kind: str | None = "user") -> list[ApiKey]:
+    """An organisation's keys of one kind (None: every kind)."""
     await get_org(pool, org_id)
-    return [ApiKey.from_row(r) for r in await store.list_keys(pool, org_id=org_id)]
+    return [ApiKey.from_row(r) for r in await store.list_keys(pool, org_id=org_id, kind=kind)]
 
 
 async def revoke_key(pool: asyncpg.Pool, auth: Authenticator | None, key_id: str) -> ApiKey:

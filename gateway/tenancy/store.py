@@ -11,13 +11,23 @@ INSERT_ORG = "INSERT INTO organizations (id, name) VALUES ($1, $2) RETURNING *"
 GET_ORG = "SELECT * FROM organizations WHERE id = $1"
 LIST_ORGS = "SELECT * FROM organizations ORDER BY seq"
 INSERT_KEY = """
-INSERT INTO api_keys (id, organization_id, name, display_prefix, digest)
-VALUES ($1, $2, $3, $4, $5) RETURNING *"""
-LIST_KEYS = "SELECT * FROM api_keys WHERE organization_id = $1 ORDER BY seq"
+INSERT INTO api_keys (id, organization_id, name, display_prefix, digest, kind, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, now() + make_interval(secs => $7)) RETURNING *"""
+# kind: NULL = every kind
+LIST_KEYS = """
+SELECT * FROM api_keys WHERE organization_id = $1 AND ($2::text IS NULL OR kind = $2) ORDER BY seq"""
 REVOKE_KEY = """
 UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1 RETURNING *"""
+# A live key: not revoked, not expired. `expires_in_s` lets the cache keep it no longer than it lives.
 KEY_BY_DIGEST = """
-SELECT k.id, k.organization_id FROM api_keys k WHERE k.digest = $1 AND k.revoked_at IS NULL"""
+SELECT k.id, k.organization_id, k.kind,
+       extract(epoch FROM k.expires_at - now())::float8 AS expires_in_s
+FROM api_keys k
+WHERE k.digest = $1 AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())"""
+# A minted key lives on while its holder renews it; a revoked one stays revoked.
+RENEW_KEY = """
+UPDATE api_keys SET expires_at = now() + make_interval(secs => $2)
+WHERE id = $1 AND revoked_at IS NULL AND expires_at IS NOT NULL RETURNING id"""
 TOUCH_KEYS = "UPDATE api_keys SET last_used_at = now() WHERE id = ANY($1::text[])"
 
 
@@ -40,16 +50,25 @@ async def create_key(
     name: str | None,
     display_prefix: str,
     digest: bytes,
+    kind: str = "user",
+    ttl_s: float | None = None,
 ) -> asyncpg.Record:
-    return await conn.fetchrow(INSERT_KEY, new_id("key_"), org_id, name, display_prefix, digest)
+    """A key row; with `ttl_s`, one that expires that many seconds from now."""
+    return await conn.fetchrow(INSERT_KEY, new_id("key_"), org_id, name, display_prefix, digest, kind, ttl_s)
 
 
-async def list_keys(conn: Conn, *, org_id: str) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_KEYS, org_id)
+async def list_keys(conn: Conn, *, org_id: str, kind: str | None = "user") -> list[asyncpg.Record]:
+    """An organisation's keys of one kind (None: of every kind)."""
+    return await conn.fetch(LIST_KEYS, org_id, kind)
 
 
 async def revoke_key(conn: Conn, *, key_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(REVOKE_KEY, key_id)
+
+
+async def renew_key(conn: Conn, *, key_id: str, ttl_s: float) -> bool:
+    """Push an expiring key's end to `ttl_s` from now; False when it is revoked (or never expires)."""
+    return await conn.fetchval(RENEW_KEY, key_id, ttl_s) is not None
 
 
 async def key_by_digest(conn: Conn, *, digest: bytes) -> asyncpg.Record | None:
