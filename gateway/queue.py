@@ -2,7 +2,8 @@
 
 A job is enqueued under the arq job id `<job id>:<queue generation>`, so one queued period of a job is one
 message (arq drops duplicates) and a resumed job gets a fresh one. If Redis is down, nothing is lost: the job
-stays `queued` in Postgres and the worker's periodic task enqueues it later.
+stays `queued` in Postgres and the worker's periodic task enqueues it later. Eval runs travel the same way,
+as `run_eval` messages.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from redis.exceptions import RedisError
 logger = logging.getLogger(__name__)
 
 RUN_JOB = "run_job"
+RUN_EVAL = "run_eval"
 ENQUEUE_TIMEOUT_S = 2.0
 
 
@@ -30,14 +32,17 @@ def queue_job_id(job_id: str, generation: int) -> str:
     return f"{job_id}:{generation}"
 
 
-async def enqueue(queue: ArqRedis | None, queue_name: str, job_id: str, generation: int) -> bool:
-    """Wake a worker for a queued job. Returns False (and logs) when Redis cannot be reached."""
+async def enqueue(
+    queue: ArqRedis | None, queue_name: str, job_id: str, generation: int, *, function: str = RUN_JOB
+) -> bool:
+    """Wake a worker for a queued job (or, with `function=RUN_EVAL`, a queued eval run). Returns False (and
+    logs) when Redis cannot be reached."""
     if queue is None:
         return False
     try:
         await asyncio.wait_for(
             queue.enqueue_job(
-                RUN_JOB, job_id, _job_id=queue_job_id(job_id, generation), _queue_name=queue_name
+                function, job_id, _job_id=queue_job_id(job_id, generation), _queue_name=queue_name
             ),
             ENQUEUE_TIMEOUT_S,
         )

@@ -107,6 +107,13 @@ class Settings(BaseSettings):
     budget_check_interval_s: float = 5.0
     """How often a worker compares a running job's organisation (month-to-date spend plus the run's cost so
     far) against its monthly budget; over it, the job is paused (resumable once the budget is raised)."""
+    gateway_url: str | None = None
+    """Internal URL (without `/v1`) at which workers reach a gateway, e.g. `http://tunegate-gateway:8000`:
+    eval runs sample models and call model graders through it with a key minted for the run, so they are
+    scoped, limited and metered like any client. Unset: `http://<host>:<port>` (`127.0.0.1` when `host`
+    binds every address)."""
+    eval_run_slots: int = Field(default=2, ge=1)
+    """Eval runs one worker executes at once, besides its training slots."""
 
     usage_buffer_rows: int = 100_000
     """Completion usage rows a gateway holds before a flush; when full, new rows are dropped (and counted)."""
@@ -161,6 +168,13 @@ class Settings(BaseSettings):
     def blob_dir(self) -> Path:
         """Root of the local blob store."""
         return self.data_dir / "blobs"
+
+    def internal_gateway_url(self) -> str:
+        """Where workers reach a gateway: `gateway_url`, else this process's own host and port."""
+        if self.gateway_url:
+            return self.gateway_url.rstrip("/").removesuffix("/v1")
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0", "::") else self.host
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def base_model_path(self, model_id: str) -> Path:
         """Local directory of a configured base model."""
