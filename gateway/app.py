@@ -18,6 +18,7 @@ from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
 from gateway.deps import Resources
 from gateway.errors import install_error_handlers
+from gateway.evals.router import router as evals_router
 from gateway.files.router import router as files_router
 from gateway.graders.router import router as graders_router
 from gateway.jobs.router import router as jobs_router
@@ -124,4 +125,5 @@ def create_app(settings: Settings) -> FastAPI:
     ):
         app.include_router(router)
     app.include_router(graders_router)
+    app.include_router(evals_router)
     return app

@@ -39,7 +39,7 @@ def test_minted_key_calls_inference_only_and_is_listed_apart(
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert err.value.code == "model_not_found"
-    for call in (client.files.list, client.fine_tuning.jobs.list, client.models.list):
+    for call in (client.files.list, client.fine_tuning.jobs.list, client.models.list, client.evals.list):
         with pytest.raises(openai.PermissionDeniedError) as denied:
             call()
         assert denied.value.code == "permission_denied"
