@@ -1,5 +1,6 @@
 """The worker (scheduler), in arq's idiom: `run_job` trains one job; cron tasks re-enqueue jobs that missed
-the queue and take jobs back from workers that died.
+the queue and take jobs back from workers that died. Eval runs are executed the same way (`run_eval` and its
+crons, in `gateway.worker.evals`).
 
 A queue message only wakes a worker: `run_job` claims the fairest queued job in one SQL statement (the
 organisation with the fewest running jobs first), so one organisation's many jobs cannot starve another's.
@@ -27,6 +28,7 @@ from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import store
+from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
 from gateway.worker.runner import JobRun
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["blobs"] = BlobStore(settings.blob_dir)
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
     ctx["slots"] = asyncio.Semaphore(settings.training_slots)
+    ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
     ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
     logger.info("worker %s ready", ctx["worker_id"])
 
@@ -203,10 +206,12 @@ def build_worker(settings: Settings) -> Worker:
     every = max(1, settings.requeue_interval_s)
     seconds = set(range(0, 60, every))
     return Worker(
-        functions=[run_job],
+        functions=[run_job, run_eval],
         cron_jobs=[
             cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            cron(requeue_missed_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            cron(reap_stale_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             _billing_cron(settings),
         ],
         redis_pool=make_queue(settings.redis_url),
@@ -214,7 +219,7 @@ def build_worker(settings: Settings) -> Worker:
         on_startup=startup,
         on_shutdown=shutdown,
         ctx={"settings": settings},
-        max_jobs=settings.training_slots + 2,  # slots + room for the periodic tasks
+        max_jobs=settings.training_slots + settings.eval_run_slots + 2,  # slots + room for the periodic tasks
         job_timeout=7 * 24 * 3600,
         keep_result=0,
         max_tries=1000,
@@ -229,4 +234,4 @@ def run_worker(settings: Settings) -> None:
     worker.run()
 
 
-__all__ = ["RUN_JOB", "build_worker", "run_job", "run_worker"]
+__all__ = ["RUN_JOB", "build_worker", "run_eval", "run_job", "run_worker"]

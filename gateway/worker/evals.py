@@ -1,0 +1,409 @@
+"""Eval runs in the worker, in arq's idiom: `run_eval` executes one run; cron tasks re-enqueue runs that
+missed the queue and take runs back from workers that died.
+
+A run goes through the gateway's own inference path, never to an engine directly. The worker mints a key
+of the run's organisation for the run (`gateway.tenancy.scoped`), asks `POST {gateway_url}/v1/chat/
+completions` for each item's completion with it, and grades the completion with the eval's criteria
+(`gateway.evals.grading`: model graders call the gateway with the same key, python graders run in the
+sandbox). So the run's requests are scoped to its organisation (another organisation's model answers the
+gateway's 404, which fails the item), rate-limited, held to the budget and metered like a client's, under
+the key's own id. The key is renewed by the run's heartbeat and revoked when the run ends; a dead worker's
+key expires within `KEY_TTL_S`, and the reaper revokes it when it takes the run back.
+
+A queue message only wakes a worker: `run_eval` claims the run in one SQL statement, so a run is executed
+once. The heartbeat reads the run's status: a cancel (or a delete) stops the run between items. Items are
+written once each (`UNIQUE (run_id, datasource_item_id)`), so a run taken back from a dead worker resumes
+with the items it lacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import asyncpg
+import httpx
+
+from envsdk.graders import make_sample
+from envsdk.inference_client import InferenceClient
+from envsdk.python_grader import PythonGraders
+from gateway.blobstore import BlobStore
+from gateway.errors import InvalidRequest
+from gateway.evals import store
+from gateway.evals.datasource import Row, render_messages, rows_of_content, rows_of_file
+from gateway.evals.grading import Summary, add_usage, grade_item, item_status
+from gateway.files import store as files_store
+from gateway.queue import RUN_EVAL, enqueue
+from gateway.settings import Settings
+from gateway.tenancy import scoped
+
+logger = logging.getLogger(__name__)
+
+KEY_TTL_S = 300.0
+"""Life of a run's key between renewals (the heartbeat renews it every third of that)."""
+ITEMS_IN_FLIGHT = 4
+"""Items of one run sampled and graded at once (the engines batch concurrent requests)."""
+SAMPLE_TIMEOUT_S = 300.0
+"""Longest wait for one completion."""
+SAMPLE_TRIES = 3
+"""Attempts of one completion when the gateway is unreachable, answers 5xx, or rate-limits briefly."""
+RATE_LIMIT_WAIT_S = 10.0
+"""Longest `retry-after` a rate-limited completion waits out before its item errors."""
+
+
+def _envelope(resp: httpx.Response) -> dict[str, str]:
+    """An error answer of the gateway as `{"code", "message"}`."""
+    try:
+        error = resp.json().get("error") or {}
+    except ValueError:
+        error = {}
+    return {
+        "code": str(error.get("code") or f"http_{resp.status_code}"),
+        "message": str(error.get("message") or resp.text[:500] or f"HTTP {resp.status_code}"),
+    }
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class EvalRunExecution:
+    """One claimed run, from its items to its end."""
+
+    def __init__(
+        self, run: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings, worker_id: str
+    ) -> None:
+        self.run = run
+        self.run_id: str = run["id"]
+        self.org_id: str = run["organization_id"]
+        self.pool = pool
+        self.blobs = blobs
+        self.settings = settings
+        self.worker_id = worker_id
+        self.criteria: list[dict[str, Any]] = run["testing_criteria"]
+        self.source: dict[str, Any] = run["data_source"]
+        self.summary = Summary([c["name"] for c in self.criteria])
+        self.stopped: str | None = None
+        """Why no new item starts: the run's status when it left `in_progress` (`canceled`), or `lost`."""
+        self._write = asyncio.Lock()
+
+    async def execute(self) -> str:
+        """Sample and grade every item the run lacks; returns how the run ended."""
+        async with scoped.minted(
+            self.pool, org_id=self.org_id, kind="eval", name=f"eval run {self.run_id}", ttl_s=KEY_TTL_S
+        ) as key:
+            await store.set_worker_key(self.pool, run_id=self.run_id, worker_id=self.worker_id, key_id=key.id)
+            heartbeat = asyncio.create_task(self._heartbeat(key.id))
+            try:
+                return await self._execute(key.secret)
+            finally:
+                heartbeat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await heartbeat
+
+    async def _execute(self, secret: str) -> str:
+        try:
+            rows = await self._rows()
+        except InvalidRequest as exc:
+            return await self._finish(
+                "failed", {"code": exc.code or "invalid_data_source", "message": exc.message}
+            )
+        done = set()
+        for row in await store.done_items(self.pool, run_id=self.run_id):
+            done.add(row["datasource_item_id"])
+            self.summary.add(row["status"], row["results"], row["usage"], row["sample_error"])
+        pending = iter([(i, row) for i, row in enumerate(rows) if i not in done])
+        gateway = self.settings.internal_gateway_url()
+        inference = InferenceClient(f"{gateway}/v1", api_key=secret, timeout=SAMPLE_TIMEOUT_S)
+        python = PythonGraders(allow_unsandboxed=self.settings.allow_unsandboxed_environments)
+        http = httpx.AsyncClient(
+            base_url=gateway, headers={"Authorization": f"Bearer {secret}"}, timeout=SAMPLE_TIMEOUT_S
+        )
+        try:
+
+            async def lane() -> None:
+                for index, row in pending:  # the lanes share one iterator: each item is taken once
+                    if self.stopped:
+                        return
+                    await self._item(index, row, http, inference, python)
+
+            async with asyncio.TaskGroup() as lanes:  # a lane that fails stops the others
+                for _ in range(ITEMS_IN_FLIGHT):
+                    lanes.create_task(lane())
+        finally:
+            await http.aclose()
+            await asyncio.to_thread(inference.close)
+            await asyncio.to_thread(python.close)
+        return await self._end()
+
+    async def _rows(self) -> list[Row]:
+        source = self.source["source"]
+        if source["type"] == "file_content":
+            return rows_of_content(source["content"])
+        file = await files_store.get(self.pool, org_id=self.org_id, file_id=source["id"])
+        if file is None:
+            raise InvalidRequest(
+                f"File '{source['id']}' was deleted before the run read it.", code="invalid_file"
+            )
+        path = self.blobs.path(file["blob_key"])
+        max_line = self.settings.max_jsonl_line_bytes
+        return await asyncio.to_thread(lambda: rows_of_file(path, max_line_bytes=max_line))
+
+    async def _heartbeat(self, key_id: str) -> None:
+        renewed = time.monotonic()
+        while self.stopped is None:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                status = await store.heartbeat_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+                if time.monotonic() - renewed > KEY_TTL_S / 3:
+                    await scoped.renew(self.pool, key_id, ttl_s=KEY_TTL_S)
+                    renewed = time.monotonic()
+            except (OSError, asyncpg.PostgresError) as exc:
+                logger.warning("eval run %s: heartbeat failed: %s", self.run_id, exc)
+                continue
+            if status != "in_progress":
+                self.stopped = status or "lost"
+                logger.info("eval run %s: stopping (%s)", self.run_id, self.stopped)
+
+    async def _sample(
+        self, http: httpx.AsyncClient, body: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+        """`(completion, None)` or `(None, {"code", "message"})` — the gateway's own error when it refused."""
+        error: dict[str, str] = {"code": "gateway_unreachable", "message": "no attempt was made"}
+        for attempt in range(SAMPLE_TRIES):
+            last = attempt == SAMPLE_TRIES - 1
+            try:
+                resp = await http.post("/v1/chat/completions", json=body)
+            except httpx.HTTPError as exc:
+                error = {"code": "gateway_unreachable", "message": f"{type(exc).__name__}: {exc}"}
+                if not last:
+                    await asyncio.sleep(1.0 + attempt)
+                continue
+            if resp.status_code == 200:
+                try:
+                    return resp.json(), None
+                except ValueError:
+                    return None, {"code": "invalid_response", "message": resp.text[:500]}
+            error = _envelope(resp)
+            if resp.status_code == 429 and error["code"] == "rate_limit_exceeded" and not last:
+                wait = _seconds(resp.headers.get("retry-after"))
+                if wait is not None and wait <= RATE_LIMIT_WAIT_S:
+                    await asyncio.sleep(wait)
+                    continue
+            elif resp.status_code >= 500 and not last:
+                await asyncio.sleep(1.0 + attempt)
+                continue
+            break
+        return None, error
+
+    async def _item(
+        self, index: int, row: Row, http: httpx.AsyncClient, inference: InferenceClient, python: PythonGraders
+    ) -> None:
+        sampling: dict[str, Any] = self.source.get("sampling_params") or {}
+        usage: dict[str, dict[str, int]] = {}
+        results: list[dict[str, Any]] = []
+        if self.source["type"] == "jsonl":
+            given = row.sample or {}
+            text = str(given.get("output_text", ""))
+            sample: dict[str, Any] = {
+                "input": [],
+                "output": [{"role": "assistant", "content": text}],
+                "finish_reason": given.get("finish_reason", "stop"),
+                "model": given.get("model", ""),
+                "usage": dict.fromkeys(
+                    ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens"), 0
+                ),
+                "error": None,
+            }
+            namespace = {**make_sample(text), **given}
+        else:
+            messages = render_messages(self.source["input_messages"], row.item, index=index)
+            body = {"model": self.run["model"], "messages": messages, **sampling}
+            reply, error = await self._sample(http, body)
+            sample, namespace = self._sample_record(messages, sampling, reply, error)
+            if reply is not None:
+                add_usage(usage, self.run["model"], reply.get("usage") or {}, invocations=1)
+        if sample["error"] is None:
+            results, grader_usage = await asyncio.to_thread(
+                grade_item, self.criteria, namespace, row.item, inference=inference, python=python
+            )
+            for model, tokens in grader_usage.items():
+                add_usage(usage, model, tokens, invocations=tokens["invocation_count"])
+        status = item_status(results, sample["error"])
+        async with self._write:
+            written = await store.insert_item(
+                self.pool,
+                run_id=self.run_id,
+                worker_id=self.worker_id,
+                index=index,
+                item=row.item,
+                status=status,
+                results=results,
+                sample=sample,
+                usage=usage,
+            )
+            if not written:  # canceled, deleted or taken back (else a duplicate): start no other item
+                now = await store.heartbeat_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+                if now != "in_progress":
+                    self.stopped = self.stopped or now or "lost"
+                return
+            self.summary.add(status, results, usage, sample["error"])
+            await self._save_summary()
+
+    def _sample_record(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: dict[str, Any],
+        reply: dict[str, Any] | None,
+        error: dict[str, str] | None,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """OpenAI's `sample` of an output item, and the namespace graders read as `{{ sample.* }}`."""
+        choice = ((reply or {}).get("choices") or [{}])[0]
+        message = choice.get("message") or {}
+        text = message.get("content") or ""
+        tools = [
+            {"type": "function", "function": call.get("function", {})}
+            for call in message.get("tool_calls") or []
+        ]
+        usage = (reply or {}).get("usage") or {}
+        record = {
+            "input": [{"role": m["role"], "content": m.get("content")} for m in messages],
+            "output": [{"role": "assistant", "content": text}] if reply is not None else [],
+            "finish_reason": choice.get("finish_reason") or "",
+            "model": (reply or {}).get("model", self.run["model"]),
+            "usage": {
+                "prompt_tokens": int(usage.get("prompt_tokens") or 0),
+                "completion_tokens": int(usage.get("completion_tokens") or 0),
+                "total_tokens": int(usage.get("total_tokens") or 0),
+                "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+            },
+            "error": error,
+            "temperature": sampling.get("temperature", 1.0),
+            "top_p": sampling.get("top_p", 1.0),
+            "max_completion_tokens": sampling.get("max_completion_tokens"),
+            "seed": sampling.get("seed"),
+        }
+        namespace = make_sample(text, tools or None)
+        namespace["model"] = record["model"]
+        return record, namespace
+
+    async def _save_summary(self, conn: asyncpg.Connection | None = None) -> None:
+        await store.update_summary(
+            conn or self.pool,
+            run_id=self.run_id,
+            worker_id=self.worker_id,
+            result_counts=self.summary.result_counts(),
+            per_testing_criteria_results=self.summary.per_testing_criteria_results(),
+            per_model_usage=self.summary.per_model_usage(),
+        )
+
+    async def _end(self) -> str:
+        if self.stopped == "lost":
+            return "lost"
+        if self.stopped is not None:  # canceled: keep what was graded, let the run go
+            async with self._write:
+                await self._save_summary()
+            await store.release_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+            return self.stopped
+        if self.summary.all_errored():
+            first = self.summary.first_error or {"code": "all_items_errored", "message": "every item errored"}
+            message = f"Every item of the run errored; the first: {first.get('message')}"
+            return await self._finish("failed", {"code": str(first.get("code")), "message": message})
+        return await self._finish("completed", None)
+
+    async def _finish(self, status: str, error: dict[str, Any] | None) -> str:
+        async with self.pool.acquire() as conn, conn.transaction():
+            await self._save_summary(conn)
+            row = await store.finish_run(
+                conn, run_id=self.run_id, worker_id=self.worker_id, status=status, error=error
+            )
+        if row is None:  # canceled or taken back at the last moment
+            await store.release_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+            return "lost"
+        return status
+
+
+# -- arq tasks -------------------------------------------------------------------------------------------
+
+
+async def run_eval(ctx: dict[str, Any], run_id: str) -> str:
+    """Claim eval run `run_id` and execute it. A worker with every eval slot busy leaves the run queued
+    (the `requeue_missed_runs` cron offers it again) rather than holding an arq slot while it waits."""
+    slots: asyncio.Semaphore = ctx["eval_slots"]
+    if slots.locked():
+        return "busy"
+    async with slots:
+        run = await store.claim_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
+        if run is None:
+            return "nothing to claim"
+        execution = EvalRunExecution(
+            run, pool=ctx["pool"], blobs=ctx["blobs"], settings=ctx["settings"], worker_id=ctx["worker_id"]
+        )
+        try:
+            return await execution.execute()
+        except asyncio.CancelledError:  # the worker is shutting down: the run goes back to the queue
+            await asyncio.shield(_hand_back(ctx, run_id))
+            raise
+        except Exception as exc:
+            logger.exception("eval run %s: worker error", run_id)
+            await store.finish_run(
+                ctx["pool"],
+                run_id=run_id,
+                worker_id=ctx["worker_id"],
+                status="failed",
+                error={"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"},
+            )
+            return "failed"
+
+
+async def _hand_back(ctx: dict[str, Any], run_id: str) -> None:
+    row = await store.requeue_own_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
+    if row is None:
+        await store.release_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
+    else:
+        await enqueue(
+            ctx["redis"], ctx["settings"].queue_name, run_id, row["queue_generation"], function=RUN_EVAL
+        )
+
+
+async def requeue_missed_runs(ctx: dict[str, Any]) -> int:
+    """Enqueue queued eval runs that have no message (Redis was down at create, or every slot was busy)."""
+    sent = 0
+    for row in await store.queued_unclaimed_runs(ctx["pool"]):
+        if await enqueue(
+            ctx["redis"], ctx["settings"].queue_name, row["id"], row["queue_generation"], function=RUN_EVAL
+        ):
+            sent += 1
+    return sent
+
+
+async def reap_stale_runs(ctx: dict[str, Any]) -> int:
+    """Take eval runs back from workers that stopped heartbeating: revoke their keys, then re-queue the
+    runs (they resume with the items they lack), or fail them after `max_attempts`."""
+    settings: Settings = ctx["settings"]
+    pool: asyncpg.Pool = ctx["pool"]
+    reaped = 0
+    for row in await store.stale_runs(pool, after_s=settings.stale_after_s):
+        if row["worker_key_id"]:
+            await scoped.revoke(pool, row["worker_key_id"])
+        if row["attempts"] >= settings.max_attempts:
+            message = f"The run's worker was lost {row['attempts']} times; giving up."
+            error = {"code": "max_attempts_exceeded", "message": message}
+            if await store.fail_stale_run(pool, run_id=row["id"], worker_id=row["worker_id"], error=error):
+                reaped += 1
+            continue
+        requeued = await store.requeue_stale_run(pool, run_id=row["id"], worker_id=row["worker_id"])
+        if requeued is None:
+            continue
+        reaped += 1
+        if requeued["status"] == "queued":
+            await enqueue(
+                ctx["redis"], settings.queue_name, row["id"], requeued["queue_generation"], function=RUN_EVAL
+            )
+    return reaped

@@ -1,0 +1,629 @@
+"""OpenAI's Evals API through the official SDK: evals, runs executed by a real worker that samples the tiny
+model through the gateway (with a key minted for the run), output items, grading that agrees with a direct
+`envsdk.graders.grade`, tenancy, usage, rate limits, cancel and the 400s of bad requests.
+
+The module has a database, a gateway (serving `tiny-chat` from the module's engine) and a worker of its
+own, so no other module's worker claims its runs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from envsdk.graders import grade, make_sample
+from gateway.evals.datasource import pass_threshold
+from tests.support.engine import EngineServer, make_lora_adapter, register_model
+from tests.support.stack import (
+    Admin,
+    GatewayServer,
+    Services,
+    Tenant,
+    WorkerProcess,
+    admin_of,
+    drop_database,
+    make_database,
+    start_gateway,
+)
+
+BASE = "tiny-chat"
+QUESTIONS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
+CONFIG: Any = {
+    "type": "custom",
+    "item_schema": {
+        "type": "object",
+        "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+        "required": ["question", "answer"],
+    },
+    "include_sample_schema": True,
+}
+EXACT: Any = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "operation": "eq",
+}
+CONTAINS: Any = {
+    "type": "string_check",
+    "name": "has a digit 2",
+    "input": "{{ sample.output_text }}",
+    "reference": "2",
+    "operation": "like",
+}
+FUZZY: Any = {
+    "type": "text_similarity",
+    "name": "fuzzy",
+    "input": "{{ sample.output_text }}",
+    "reference": "{{ item.answer }}",
+    "evaluation_metric": "fuzzy_match",
+    "pass_threshold": 0.1,
+}
+LENGTH: Any = {
+    "type": "python",
+    "name": "short",
+    "source": "def grade(sample, item):\n    return 1.0 if len(sample['output_text']) < 40 else 0.25\n",
+    "pass_threshold": 0.5,
+}
+TEMPLATE: Any = {
+    "type": "template",
+    "template": [
+        {"role": "system", "content": "Answer with the number only."},
+        {"role": "user", "content": "{{ item.question }}"},
+    ],
+}
+SAMPLING: Any = {"temperature": 0, "max_completion_tokens": 6, "seed": 7}
+FINAL = ("completed", "failed", "canceled")
+
+
+WORKER_ENV = {
+    "TUNEGATE_REQUEUE_INTERVAL_S": "2",
+    "TUNEGATE_HEARTBEAT_INTERVAL_S": "0.5",
+    "TUNEGATE_STALE_AFTER_S": "4",
+}
+
+
+@pytest.fixture(scope="module")
+def served(
+    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[GatewayServer, WorkerProcess]]:
+    name = f"tunegate_test_{secrets.token_hex(4)}"
+    database = make_database(services.pg_dsn, name)
+    gateway = start_gateway(
+        services,
+        database,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("evals-data"),
+        upstreams=[engine.url],
+        usage_flush_interval_s=0.3,
+        auth_cache_ttl_s=1.0,
+    )
+    worker = WorkerProcess(
+        gateway.settings, tmp_path_factory.mktemp("evals-worker") / "worker.log", **WORKER_ENV
+    )
+    yield gateway, worker
+    worker.stop()
+    gateway.stop()
+    drop_database(services.pg_dsn, name)
+
+
+@pytest.fixture(scope="module")
+def gw(served: tuple[GatewayServer, WorkerProcess]) -> GatewayServer:
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def gw_admin(gw: GatewayServer) -> Admin:
+    return admin_of(gw)
+
+
+@pytest.fixture
+def org(gw_admin: Admin) -> Tenant:
+    return gw_admin.tenant("evals-" + secrets.token_hex(3))
+
+
+@pytest.fixture
+def other(gw_admin: Admin) -> Tenant:
+    return gw_admin.tenant("evals-other-" + secrets.token_hex(3))
+
+
+def _eval(t: Tenant, criteria: list[Any], **kwargs: Any) -> Any:
+    return t.client.evals.create(
+        name=kwargs.pop("name", "arithmetic"), data_source_config=CONFIG, testing_criteria=criteria, **kwargs
+    )
+
+
+def _items_file(t: Tenant, rows: list[dict[str, Any]], purpose: Any = "evals") -> str:
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    return t.client.files.create(file=("items.jsonl", data), purpose=purpose).id
+
+
+def _completions(model: str, source: Any, **kwargs: Any) -> Any:
+    return {
+        "type": "completions",
+        "model": model,
+        "source": source,
+        "input_messages": kwargs.pop("input_messages", TEMPLATE),
+        "sampling_params": kwargs.pop("sampling_params", SAMPLING),
+        **kwargs,
+    }
+
+
+def _content(items: list[dict[str, Any]]) -> Any:
+    return {"type": "file_content", "content": [{"item": i} for i in items]}
+
+
+def _wait(t: Tenant, eval_id: str, run_id: str, states: tuple[str, ...] = FINAL, timeout: float = 240) -> Any:
+    deadline = time.monotonic() + timeout
+    while (run := t.client.evals.runs.retrieve(run_id, eval_id=eval_id)).status not in states:
+        assert time.monotonic() < deadline, f"run {run_id} stuck in {run.status}"
+        time.sleep(0.3)
+    return run
+
+
+def _items(t: Tenant, eval_id: str, run_id: str) -> list[Any]:
+    return list(t.client.evals.runs.output_items.list(run_id, eval_id=eval_id, limit=2))  # pages of 2
+
+
+def _run_key(admin: Admin, t: Tenant, run_id: str) -> dict[str, Any]:
+    keys = admin.http.get(f"/v1/admin/organizations/{t.org_id}/api_keys", params={"kind": "eval"}).json()
+    (key,) = [k for k in keys["data"] if k["name"] == f"eval run {run_id}"]
+    return key
+
+
+def _wait_key_revoked(admin: Admin, t: Tenant, run_id: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while (key := _run_key(admin, t, run_id))["revoked_at"] is None:
+        assert time.monotonic() < deadline, "the run's key was not revoked"
+        time.sleep(0.2)
+    return key
+
+
+# ------------------------------------------------------------------------------------------------ evals
+def test_eval_create_retrieve_list_update_delete(org: Tenant) -> None:
+    made = _eval(org, [EXACT, FUZZY, LENGTH], metadata={"suite": "arith"})
+    assert made.object == "eval" and made.id.startswith("eval_") and made.name == "arithmetic"
+    assert made.metadata == {"suite": "arith"} and isinstance(made.created_at, int)
+    assert made.data_source_config.type == "custom"
+    schema = made.data_source_config.schema_
+    assert schema["properties"]["item"] == CONFIG["item_schema"]  # type: ignore[index]
+    assert "output_text" in schema["properties"]["sample"]["properties"]  # type: ignore[index]
+    assert [c.name for c in made.testing_criteria] == ["exact", "fuzzy", "short"]
+    assert [c.type for c in made.testing_criteria] == ["string_check", "text_similarity", "python"]
+    assert made.testing_criteria[1].pass_threshold == 0.1  # type: ignore[union-attr]
+    assert org.client.evals.retrieve(made.id).to_dict() == made.to_dict()
+
+    second = _eval(org, [CONTAINS], name="second")
+    nameless = {k: v for k, v in CONTAINS.items() if k != "name"}
+    unnamed = org.client.evals.create(data_source_config=CONFIG, testing_criteria=[nameless])
+    assert unnamed.testing_criteria[0].name == "string_check"
+    listed = list(org.client.evals.list(limit=1))  # one per page: the SDK follows `after`
+    assert [e.id for e in listed] == [made.id, second.id, unnamed.id]
+    newest = org.client.evals.list(order="desc", limit=2)
+    assert [e.id for e in newest.data] == [unnamed.id, second.id] and newest.has_more
+
+    updated = org.client.evals.update(made.id, name="renamed", metadata={"suite": "v2"})
+    assert updated.name == "renamed" and updated.metadata == {"suite": "v2"}
+    assert updated.to_dict()["testing_criteria"] == made.to_dict()["testing_criteria"]
+    by_update = org.client.evals.list(order_by="updated_at", order="desc", limit=1).data
+    assert [e.id for e in by_update] == [made.id]
+
+    deleted = org.client.evals.delete(second.id)
+    assert deleted.deleted is True and deleted.eval_id == second.id and deleted.object == "eval.deleted"
+    with pytest.raises(openai.NotFoundError):
+        org.client.evals.retrieve(second.id)
+
+
+# ------------------------------------------------------------------------------------------------- runs
+def test_run_samples_through_the_gateway_and_grading_agrees(gw_admin: Admin, org: Tenant) -> None:
+    criteria = [EXACT, CONTAINS, FUZZY, LENGTH]
+    ev = _eval(org, criteria)
+    file_id = _items_file(org, [{"item": q} for q in QUESTIONS])
+    run = org.client.evals.runs.create(
+        ev.id,
+        name="base",
+        metadata={"try": "1"},
+        data_source=_completions(BASE, {"type": "file_id", "id": file_id}),
+    )
+    assert run.object == "eval.run" and run.id.startswith("evalrun_") and run.eval_id == ev.id
+    assert run.status in ("queued", "in_progress") and run.model == BASE and run.name == "base"
+    assert run.data_source.type == "completions" and run.metadata == {"try": "1"}
+    assert run.result_counts.total == 0 and run.error is None
+
+    done = _wait(org, ev.id, run.id)
+    assert done.status == "completed", done.error
+    counts = done.result_counts
+    assert counts.total == len(QUESTIONS) == counts.passed + counts.failed + counts.errored
+    assert counts.errored == 0
+    assert done.report_url == f"/v1/evals/{ev.id}/runs/{run.id}/output_items"
+
+    items = _items(org, ev.id, run.id)
+    assert [i.datasource_item_id for i in items] == list(range(len(QUESTIONS)))
+    regraded: dict[str, list[bool]] = {c["name"]: [] for c in criteria}
+    completion_tokens = prompt_tokens = 0
+    for item in items:
+        assert item.object == "eval.run.output_item" and item.run_id == run.id and item.eval_id == ev.id
+        assert item.datasource_item == QUESTIONS[item.datasource_item_id]
+        sample = item.sample
+        assert sample.error is None and sample.model == BASE and sample.finish_reason in ("stop", "length")
+        assert [(m.role, m.content) for m in sample.input] == [
+            ("system", "Answer with the number only."),
+            ("user", QUESTIONS[item.datasource_item_id]["question"]),
+        ]
+        assert len(sample.output) == 1 and sample.output[0].role == "assistant"
+        assert (
+            0 < sample.usage.completion_tokens <= 6 and sample.usage.total_tokens > sample.usage.prompt_tokens
+        )
+        assert (sample.temperature, sample.max_completion_tokens, sample.seed) == (0, 6, 7)
+        completion_tokens += sample.usage.completion_tokens
+        prompt_tokens += sample.usage.prompt_tokens
+        # The same grading, done here: same scores, same verdicts.
+        text = sample.output[0].content or ""
+        assert [r.name for r in item.results] == [c["name"] for c in criteria]
+        for criterion, result in zip(criteria, item.results, strict=True):
+            direct = grade(criterion, make_sample(text), item.datasource_item)
+            assert not direct.failed and result.score == pytest.approx(direct.reward)
+            assert result.passed == (direct.reward >= pass_threshold(criterion))
+            regraded[criterion["name"]].append(result.passed)
+        assert item.status == ("pass" if all(r.passed for r in item.results) else "fail")
+        one = org.client.evals.runs.output_items.retrieve(item.id, eval_id=ev.id, run_id=run.id)
+        assert one.to_dict() == item.to_dict()
+
+    assert counts.passed == sum(all(v[i] for v in regraded.values()) for i in range(len(QUESTIONS)))
+    per = {r.testing_criteria: (r.passed, r.failed) for r in done.per_testing_criteria_results}
+    assert per == {name: (sum(v), len(v) - sum(v)) for name, v in regraded.items()}
+    (usage,) = done.per_model_usage
+    assert usage.run_model_name == BASE and usage.invocation_count == len(QUESTIONS)
+    assert (usage.completion_tokens, usage.prompt_tokens) == (completion_tokens, prompt_tokens)
+    passing = list(org.client.evals.runs.output_items.list(run.id, eval_id=ev.id, status="pass"))
+    assert len(passing) == counts.passed and all(i.status == "pass" for i in passing)
+
+    # The worker's key for the run: minted for this organisation, revoked once the run ended.
+    key = _wait_key_revoked(gw_admin, org, run.id)
+    assert key["kind"] == "eval" and key["organization_id"] == org.org_id
+
+
+def test_runs_list_delete_and_jsonl_items_with_their_own_samples(org: Tenant) -> None:
+    ev = _eval(org, [EXACT, CONTAINS])
+    answers = ["2", "42", "6", "eight"]
+    content = [{"item": q, "sample": {"output_text": a}} for q, a in zip(QUESTIONS, answers, strict=True)]
+    run = org.client.evals.runs.create(
+        ev.id, data_source={"type": "jsonl", "source": {"type": "file_content", "content": content}}
+    )
+    done = _wait(org, ev.id, run.id)
+    assert done.status == "completed" and done.per_model_usage == []
+    # exact: items 0 and 2 ("2" == "2", "6" == "6"); contains "2": items 0 and 1.
+    assert [(r.testing_criteria, r.passed, r.failed) for r in done.per_testing_criteria_results] == [
+        ("exact", 2, 2),
+        ("has a digit 2", 2, 2),
+    ]
+    assert (done.result_counts.passed, done.result_counts.failed, done.result_counts.errored) == (1, 3, 0)
+    items = _items(org, ev.id, run.id)
+    assert [i.status for i in items] == ["pass", "fail", "fail", "fail"]
+    assert [i.sample.output[0].content for i in items] == answers
+
+    second = org.client.evals.runs.create(ev.id, name="again", data_source=done.data_source.to_dict())  # type: ignore[arg-type]
+    _wait(org, ev.id, second.id)
+    assert [r.id for r in org.client.evals.runs.list(ev.id, limit=1)] == [run.id, second.id]
+    assert [r.id for r in org.client.evals.runs.list(ev.id, order="desc").data] == [second.id, run.id]
+    assert [r.id for r in org.client.evals.runs.list(ev.id, status="completed").data] == [run.id, second.id]
+    assert org.client.evals.runs.list(ev.id, status="canceled").data == []
+    deleted = org.client.evals.runs.delete(second.id, eval_id=ev.id)
+    assert deleted.deleted is True and deleted.run_id == second.id
+    assert [r.id for r in org.client.evals.runs.list(ev.id).data] == [run.id]
+    with pytest.raises(openai.NotFoundError):
+        org.client.evals.runs.retrieve(second.id, eval_id=ev.id)
+
+
+def test_fine_tuned_models_checkpoints_and_item_references(
+    org: Tenant, gw: GatewayServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A fine-tuned model and one of its checkpoints are evaluated like a base model; a fine-tuning file's
+    rows (bare items) feed the run, their `messages` referenced as they are."""
+    adapter = str(make_lora_adapter(tiny_model_dir, tmp_path / "lora", seed=11))
+    ft = f"ft:{BASE}:{org.org_id}:evals:ftjob-{secrets.token_hex(6)}"
+    register_model(gw.settings.database_url or "", org.org_id, ft, adapter, checkpoint=f"{ft}:ckpt-step-2")
+    rows = [{"messages": [{"role": "user", "content": q["question"]}], **q} for q in QUESTIONS[:2]]
+    file_id = _items_file(org, rows, purpose="fine-tune")
+    ev = _eval(org, [CONTAINS])
+    runs = [
+        org.client.evals.runs.create(
+            ev.id,
+            data_source=_completions(
+                model,
+                {"type": "file_id", "id": file_id},
+                input_messages={"type": "item_reference", "item_reference": "item.messages"},
+            ),
+        )
+        for model in (ft, f"{ft}:ckpt-step-2")
+    ]
+    for run in runs:
+        done = _wait(org, ev.id, run.id)
+        assert done.status == "completed", done.error
+        assert done.result_counts.total == 2 and done.result_counts.errored == 0
+        items = _items(org, ev.id, run.id)
+        assert all(i.sample.model == run.model for i in items)
+        assert [i.sample.input[0].content for i in items] == [q["question"] for q in QUESTIONS[:2]]
+
+
+def test_model_graders_call_the_gateway_with_the_run_key(org: Tenant) -> None:
+    judge: Any = {
+        "type": "score_model",
+        "name": "judge",
+        "model": BASE,
+        "input": [
+            {"role": "user", "content": "Score 0 to 1: {{ item.question }} -> {{ sample.output_text }}"}
+        ],
+        "sampling_params": {"max_completion_tokens": 4, "temperature": 0},
+    }
+    ev = _eval(org, [judge, CONTAINS])
+    run = org.client.evals.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:2])))
+    done = _wait(org, ev.id, run.id)
+    # Whether the tiny model's verdicts parse is up to it; its calls are counted either way.
+    assert done.status in ("completed", "failed")
+    (usage,) = done.per_model_usage
+    assert usage.run_model_name == BASE and usage.invocation_count == 4  # two samples, two verdicts
+    for item in _items(org, ev.id, run.id):
+        (verdict, _) = item.results
+        assert verdict.name == "judge" and item.sample.error is None
+        if "error" in verdict.to_dict():  # a reply with no score in it: the item errored, and says why
+            assert item.status == "error" and verdict.to_dict()["error"]["code"] == "model_grader_parse_error"
+
+
+# ------------------------------------------------------------------------------------------- tenancy
+def test_another_organisation_sees_nothing(org: Tenant, other: Tenant, gw: GatewayServer) -> None:
+    ev = _eval(org, [CONTAINS])
+    run = org.client.evals.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:1])))
+    _wait(org, ev.id, run.id)
+    (item,) = _items(org, ev.id, run.id)
+    theirs = other.client.evals
+    calls: list[Any] = [
+        lambda: theirs.retrieve(ev.id),
+        lambda: theirs.update(ev.id, name="mine now"),
+        lambda: theirs.delete(ev.id),
+        lambda: theirs.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:1]))),
+        lambda: theirs.runs.list(ev.id),
+        lambda: theirs.runs.retrieve(run.id, eval_id=ev.id),
+        lambda: theirs.runs.cancel(run.id, eval_id=ev.id),
+        lambda: theirs.runs.delete(run.id, eval_id=ev.id),
+        lambda: theirs.runs.output_items.list(run.id, eval_id=ev.id),
+        lambda: theirs.runs.output_items.retrieve(item.id, eval_id=ev.id, run_id=run.id),
+    ]
+    for call in calls:
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert theirs.list().data == []
+    # The owner's objects are untouched.
+    assert org.client.evals.retrieve(ev.id).name == "arithmetic"
+    assert org.client.evals.runs.retrieve(run.id, eval_id=ev.id).status == "completed"
+
+
+def test_a_run_on_another_organisations_model_errors_every_item(
+    org: Tenant, other: Tenant, gw: GatewayServer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    adapter = str(make_lora_adapter(tiny_model_dir, tmp_path / "lora", seed=12))
+    ft = f"ft:{BASE}:{org.org_id}:private:ftjob-{secrets.token_hex(6)}"
+    register_model(gw.settings.database_url or "", org.org_id, ft, adapter)
+    ev = _eval(other, [CONTAINS])
+    run = other.client.evals.runs.create(ev.id, data_source=_completions(ft, _content(QUESTIONS[:2])))
+    done = _wait(other, ev.id, run.id)
+    assert done.status == "failed" and done.error is not None
+    assert done.error.code == "model_not_found" and ft in done.error.message
+    assert done.result_counts.errored == done.result_counts.total == 2 and done.per_model_usage == []
+    for item in _items(other, ev.id, run.id):
+        assert item.status == "error" and item.results == [] and item.sample.output == []
+        assert item.sample.error.code == "model_not_found"
+        assert item.sample.error.message == f"No model found with id '{ft}'."
+        assert item.sample.usage.total_tokens == 0
+
+
+# ------------------------------------------------------------------------------------- usage, limits
+def test_run_usage_is_metered_under_its_key_and_counts_against_rate_limits(
+    gw: GatewayServer, gw_admin: Admin, org: Tenant
+) -> None:
+    start = int(time.time()) - 5
+    ev = _eval(org, [CONTAINS])
+    run = org.client.evals.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:3])))
+    done = _wait(org, ev.id, run.id)
+    assert done.status == "completed"
+    key = _run_key(gw_admin, org, run.id)
+    (usage,) = done.per_model_usage
+
+    def usage_by_key() -> dict[str, Any]:
+        page = httpx.get(
+            f"{gw.url}/v1/organization/usage/completions",
+            params={"start_time": start, "bucket_width": "1d", "group_by": "api_key_id"},
+            headers={"Authorization": f"Bearer {org.key}"},
+        ).json()
+        return {r["api_key_id"]: r for b in page["data"] for r in b["results"]}
+
+    deadline = time.monotonic() + 30
+    while key["id"] not in (found := usage_by_key()):
+        assert time.monotonic() < deadline, "the run's usage was not recorded"
+        time.sleep(0.3)
+    metered = found[key["id"]]
+    assert metered["num_model_requests"] == 3
+    assert (metered["input_tokens"], metered["output_tokens"]) == (
+        usage.prompt_tokens,
+        usage.completion_tokens,
+    )
+
+    # One request a minute for the organisation: the run's first completion takes it, the others are
+    # refused by the gateway's limiter (a wait of a minute is longer than a run waits out).
+    limited = gw_admin.http.post(
+        f"/v1/admin/organizations/{org.org_id}/limits", json={"max_requests_per_1_minute": 1}
+    )
+    limited.raise_for_status()
+    run = org.client.evals.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:3])))
+    done = _wait(org, ev.id, run.id)
+    assert done.status == "completed"
+    assert (done.result_counts.total, done.result_counts.errored) == (3, 2)
+    errors = [i.sample.error for i in _items(org, ev.id, run.id) if i.status == "error"]
+    assert [e.code for e in errors] == ["rate_limit_exceeded"] * 2
+    with pytest.raises(openai.RateLimitError):  # the person's own requests share the bucket
+        org.client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}])
+
+
+# ----------------------------------------------------------------------------------------------- cancel
+def test_cancel_stops_a_run_between_items(gw_admin: Admin, org: Tenant) -> None:
+    many = [{"question": f"Count from {i} to {i + 20}.", "answer": "x"} for i in range(200)]
+    ev = _eval(org, [CONTAINS])
+    run = org.client.evals.runs.create(
+        ev.id,
+        data_source=_completions(BASE, _content(many), sampling_params={"max_completion_tokens": 24}),
+    )
+    deadline = time.monotonic() + 120
+    while not org.client.evals.runs.output_items.list(run.id, eval_id=ev.id, limit=1).data:
+        assert time.monotonic() < deadline, "the run made no item"
+        time.sleep(0.2)
+    canceled = org.client.evals.runs.cancel(run.id, eval_id=ev.id)
+    assert canceled.status == "canceled"
+    at_cancel = len(_items(org, ev.id, run.id))
+    _wait_key_revoked(gw_admin, org, run.id)  # the worker let the run go
+    graded = _items(org, ev.id, run.id)
+    assert len(graded) == at_cancel < len(many)  # no item is recorded once the cancel returned
+    final = org.client.evals.runs.retrieve(run.id, eval_id=ev.id)
+    assert final.status == "canceled" and final.result_counts.total == len(graded)
+    with pytest.raises(openai.BadRequestError) as err:
+        org.client.evals.runs.cancel(run.id, eval_id=ev.id)
+    assert err.value.code == "invalid_state"
+    # OpenAI's REST path for cancel answers the same.
+    again = httpx.post(
+        f"{gw_admin.gateway_url}/v1/evals/{ev.id}/runs/{run.id}",
+        headers={"Authorization": f"Bearer {org.key}"},
+    )
+    assert again.status_code == 400 and again.json()["error"]["code"] == "invalid_state"
+
+
+# -------------------------------------------------------------------------------------------- workers
+def test_a_run_whose_worker_dies_resumes_elsewhere(
+    served: tuple[GatewayServer, WorkerProcess], gw_admin: Admin, org: Tenant, tmp_path: Path
+) -> None:
+    """A second worker takes the run while the module's worker is stopped, and is SIGKILLed mid-run: the
+    reaper revokes its key and re-queues the run, which resumes with the items it lacks."""
+    gateway, worker = served
+    many = [{"question": f"What is {i} times 3?", "answer": str(3 * i)} for i in range(60)]
+    ev = _eval(org, [CONTAINS])
+    worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        victim = WorkerProcess(gateway.settings, tmp_path / "victim.log", **WORKER_ENV)
+        run = org.client.evals.runs.create(
+            ev.id,
+            data_source=_completions(BASE, _content(many), sampling_params={"max_completion_tokens": 8}),
+        )
+        deadline = time.monotonic() + 120
+        while not org.client.evals.runs.output_items.list(run.id, eval_id=ev.id, limit=1).data:
+            assert time.monotonic() < deadline, "the run made no item"
+            time.sleep(0.1)
+        victim.kill()
+        victim.stop()
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    first_key = _run_key(gw_admin, org, run.id)
+    done = _wait(org, ev.id, run.id)
+    assert done.status == "completed" and done.result_counts.total == len(many)
+    items = _items(org, ev.id, run.id)
+    assert [i.datasource_item_id for i in items] == list(range(len(many)))  # each item once
+    keys = gw_admin.http.get(f"/v1/admin/organizations/{org.org_id}/api_keys", params={"kind": "eval"}).json()
+    run_keys = [k for k in keys["data"] if k["name"] == f"eval run {run.id}"]
+    assert len(run_keys) == 2 and first_key["id"] in [k["id"] for k in run_keys]
+    deadline = time.monotonic() + 30
+    while any(k["revoked_at"] is None for k in run_keys):  # the dead worker's, and the one that finished
+        assert time.monotonic() < deadline, run_keys
+        time.sleep(0.2)
+        keys = gw_admin.http.get(f"/v1/admin/organizations/{org.org_id}/api_keys", params={"kind": "eval"})
+        run_keys = [k for k in keys.json()["data"] if k["name"] == f"eval run {run.id}"]
+
+
+# ------------------------------------------------------------------------------------------------- 400s
+def _bad(call: Any) -> openai.BadRequestError:
+    with pytest.raises(openai.BadRequestError) as err:
+        call()
+    body = err.value.body
+    assert isinstance(body, dict) and set(body) >= {"message", "type", "param", "code"}
+    assert err.value.status_code == 400 and body["type"] == "invalid_request_error"
+    return err.value
+
+
+def test_bad_requests_are_400s_naming_the_field(org: Tenant, other: Tenant) -> None:
+    evals = org.client.evals
+    cases: list[tuple[Any, str]] = [
+        (dict(testing_criteria=[{**EXACT, "operation": "zz"}]), "testing_criteria[0].operation"),
+        (
+            dict(testing_criteria=[CONTAINS, {**FUZZY, "evaluation_metric": "cosine"}]),
+            "testing_criteria[1].evaluation_metric",
+        ),
+        (dict(testing_criteria=[{**FUZZY, "pass_threshold": None}]), "testing_criteria[0].pass_threshold"),
+        (dict(testing_criteria=[{**LENGTH, "source": "x = 1"}]), "testing_criteria[0].source"),
+        (dict(testing_criteria=[CONTAINS, CONTAINS]), "testing_criteria[1].name"),
+        (dict(testing_criteria=[]), "testing_criteria"),
+        (dict(testing_criteria=[CONTAINS], data_source_config={"type": "logs"}), "data_source_config.type"),
+        (dict(testing_criteria=[CONTAINS], metadata={"k": "v" * 600}), "metadata"),
+    ]
+    for kwargs, param in cases:
+        kwargs.setdefault("data_source_config", CONFIG)
+        assert _bad(lambda kwargs=kwargs: evals.create(**kwargs)).param == param
+
+    ev = _eval(org, [CONTAINS])
+    wrong_purpose = org.client.files.create(file=("x.txt", b"hello"), purpose="user_data").id
+    missing = _items_file(org, [{"item": QUESTIONS[0]}]).replace("file-", "file-missing")
+    theirs = _items_file(other, [{"item": QUESTIONS[0]}])
+    no_answer = _items_file(org, [{"item": {"question": "What?"}}])
+    template = {"type": "template", "template": [{"role": "user", "content": "{{ item.missing }}"}]}
+    unknown = {"type": "template", "template": [{"role": "user", "content": "{{ sample.output_text }}"}]}
+    one = _content(QUESTIONS[:1])
+    runs: list[tuple[Any, str, str | None]] = [
+        (_completions(BASE, {"type": "file_id", "id": missing}), "data_source.source.id", "invalid_file"),
+        (_completions(BASE, {"type": "file_id", "id": theirs}), "data_source.source.id", "invalid_file"),
+        (
+            _completions(BASE, {"type": "file_id", "id": wrong_purpose}),
+            "data_source.source.id",
+            "invalid_file_purpose",
+        ),
+        (_completions(BASE, {"type": "file_id", "id": no_answer}), "data_source.source.id", "invalid_item"),
+        (
+            _completions(BASE, one, input_messages=template),
+            "data_source.input_messages.template[0].content",
+            "invalid_template",
+        ),
+        (
+            _completions(BASE, one, input_messages=unknown),
+            "data_source.input_messages.template[0].content",
+            "invalid_template",
+        ),
+        (
+            _completions(
+                BASE, one, input_messages={"type": "item_reference", "item_reference": "item.question"}
+            ),
+            "data_source.input_messages.item_reference",
+            "invalid_template",
+        ),
+        (
+            _completions(BASE, one, sampling_params={"temperature": 9}),
+            "data_source.sampling_params.temperature",
+            None,
+        ),
+        (
+            _completions(BASE, one, sampling_params={"best_of": 2}),
+            "data_source.sampling_params.best_of",
+            None,
+        ),
+        (_completions("", one), "data_source.model", None),
+        ({"type": "responses", "source": one}, "data_source.type", "unsupported_data_source"),
+        ({"type": "jsonl", "source": one}, "data_source.source.content", "invalid_item"),
+    ]
+    for data_source, param, code in runs:
+        err = _bad(lambda ds=data_source: evals.runs.create(ev.id, data_source=ds))
+        assert (err.param, err.code if code else None) == (param, code), err.message
+    assert evals.runs.list(ev.id).data == []  # nothing was stored
+    with pytest.raises(openai.NotFoundError):
+        evals.runs.create("eval_missing", data_source=_completions(BASE, one))
