@@ -74,6 +74,15 @@ LENGTH: Any = {
     "source": "def grade(sample, item):\n    return 1.0 if len(sample['output_text']) < 40 else 0.25\n",
     "pass_threshold": 0.5,
 }
+BLEND: Any = {
+    "type": "multi",
+    "name": "blend",
+    "graders": {
+        "exact": {**EXACT, "name": "exact"},
+        "fuzzy": {k: v for k, v in FUZZY.items() if k != "pass_threshold"},
+    },
+    "calculate_output": "0.5 * exact + 0.5 * fuzzy",
+}
 TEMPLATE: Any = {
     "type": "template",
     "template": [
@@ -225,7 +234,7 @@ def test_eval_create_retrieve_list_update_delete(org: Tenant) -> None:
 
 # ------------------------------------------------------------------------------------------------- runs
 def test_run_samples_through_the_gateway_and_grading_agrees(gw_admin: Admin, org: Tenant) -> None:
-    criteria = [EXACT, CONTAINS, FUZZY, LENGTH]
+    criteria = [EXACT, CONTAINS, FUZZY, LENGTH, BLEND]
     ev = _eval(org, criteria)
     file_id = _items_file(org, [{"item": q} for q in QUESTIONS])
     run = org.client.evals.runs.create(
@@ -365,18 +374,28 @@ def test_model_graders_call_the_gateway_with_the_run_key(org: Tenant) -> None:
         ],
         "sampling_params": {"max_completion_tokens": 4, "temperature": 0},
     }
-    ev = _eval(org, [judge, CONTAINS])
+    labeler: Any = {
+        "type": "label_model",
+        "name": "labeler",
+        "model": BASE,
+        "input": [{"role": "user", "content": "Is {{ sample.output_text }} right? Say yes or no."}],
+        "labels": ["yes", "no"],
+        "passing_labels": ["yes"],
+    }
+    ev = _eval(org, [judge, labeler, CONTAINS])
     run = org.client.evals.runs.create(ev.id, data_source=_completions(BASE, _content(QUESTIONS[:2])))
     done = _wait(org, ev.id, run.id)
     # Whether the tiny model's verdicts parse is up to it; its calls are counted either way.
     assert done.status in ("completed", "failed")
     (usage,) = done.per_model_usage
-    assert usage.run_model_name == BASE and usage.invocation_count == 4  # two samples, two verdicts
+    assert usage.run_model_name == BASE and usage.invocation_count == 6  # two samples, four verdicts
     for item in _items(org, ev.id, run.id):
-        (verdict, _) = item.results
-        assert verdict.name == "judge" and item.sample.error is None
-        if "error" in verdict.to_dict():  # a reply with no score in it: the item errored, and says why
-            assert item.status == "error" and verdict.to_dict()["error"]["code"] == "model_grader_parse_error"
+        verdicts = item.results[:2]
+        assert [v.name for v in verdicts] == ["judge", "labeler"] and item.sample.error is None
+        for verdict in verdicts:
+            if "error" in verdict.to_dict():  # a reply that names no score or label: the item errored
+                assert item.status == "error" and not verdict.passed
+                assert verdict.to_dict()["error"]["code"] == "model_grader_parse_error"
 
 
 # ------------------------------------------------------------------------------------------- tenancy
