@@ -11,9 +11,10 @@ the key's own id. The key is renewed by the run's heartbeat and revoked when the
 key expires within `KEY_TTL_S`, and the reaper revokes it when it takes the run back.
 
 A queue message only wakes a worker: `run_eval` claims the run in one SQL statement, so a run is executed
-once. The heartbeat reads the run's status: a cancel (or a delete) stops the run between items. Items are
-written once each (`UNIQUE (run_id, datasource_item_id)`), so a run taken back from a dead worker resumes
-with the items it lacks.
+once. An item is recorded only while its worker holds the run in progress, and the heartbeat reads the
+run's status, so a cancel (or a delete) stops the run between items. Items are written once each
+(`UNIQUE (run_id, datasource_item_id)`), so a run taken back from a dead worker resumes with the items it
+lacks.
 """
 
 from __future__ import annotations
