@@ -8,6 +8,7 @@ Every refusal is an `InvalidRequest` whose `param` names the field, in OpenAI's 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from envsdk.graders import render_template
 from gateway.errors import InvalidRequest
-from gateway.files.validation import read_rows
+from gateway.files.validation import iter_lines
 from gateway.jobs.validation import check_grader
 
 SAMPLE_SCHEMA: dict[str, Any] = {
@@ -315,26 +316,25 @@ def rows_of_content(content: list[Any]) -> list[Row]:
 
 def rows_of_file(path: Path, *, max_line_bytes: int) -> list[Row]:
     """The rows of a JSONL file (blocking: run in a thread). A line is `{"item": {...}, "sample"?: {...}}`
-    as OpenAI writes them, or a bare item (a fine-tuning file's rows can be evaluated as they are)."""
+    as OpenAI writes them, or a bare item (a fine-tuning file's rows can be evaluated as they are). An
+    `evals` upload is not checked on upload: a line that is not a JSON object is a 400 naming it."""
     rows = []
-    try:
-        for _, value in read_rows(path, max_line_bytes=max_line_bytes):
-            wrapped = isinstance(value.get("item"), dict) and set(value) <= {"item", "sample"}
-            if wrapped:
-                sample = value.get("sample")
-                rows.append(Row(value["item"], sample if isinstance(sample, dict) else None))
-            else:
-                rows.append(Row(value))
-    except ValueError as exc:  # a line that is not JSON (an `evals` upload is not checked on upload)
-        raise InvalidRequest(
-            f"The file is not JSONL of items: {exc}", param="data_source.source.id", code="invalid_file"
-        ) from None
-    except AttributeError:
-        raise InvalidRequest(
-            "Every line of the file must be a JSON object.",
-            param="data_source.source.id",
-            code="invalid_file",
-        ) from None
+    for lineno, raw in iter_lines(path, max_line_bytes=max_line_bytes):
+        try:
+            value = json.loads(raw)
+        except ValueError as exc:  # not JSON, or not UTF-8
+            value, reason = None, f"not valid JSON ({exc})"
+        else:
+            reason = "not a JSON object"
+        if not isinstance(value, dict):
+            raise InvalidRequest(
+                f"Line {lineno} of the file is {reason}.", param="data_source.source.id", code="invalid_file"
+            )
+        if isinstance(value.get("item"), dict) and set(value) <= {"item", "sample"}:
+            sample = value.get("sample")
+            rows.append(Row(value["item"], sample if isinstance(sample, dict) else None))
+        else:
+            rows.append(Row(value))
     return rows
 
 

@@ -597,6 +597,7 @@ def test_bad_requests_are_400s_naming_the_field(org: Tenant, other: Tenant) -> N
     missing = _items_file(org, [{"item": QUESTIONS[0]}]).replace("file-", "file-missing")
     theirs = _items_file(other, [{"item": QUESTIONS[0]}])
     no_answer = _items_file(org, [{"item": {"question": "What?"}}])
+    not_json = org.client.files.create(file=("items.jsonl", b'{"item": {}}\nnope\n'), purpose="evals").id
     template = {"type": "template", "template": [{"role": "user", "content": "{{ item.missing }}"}]}
     unknown = {"type": "template", "template": [{"role": "user", "content": "{{ sample.output_text }}"}]}
     one = _content(QUESTIONS[:1])
@@ -609,6 +610,7 @@ def test_bad_requests_are_400s_naming_the_field(org: Tenant, other: Tenant) -> N
             "invalid_file_purpose",
         ),
         (_completions(BASE, {"type": "file_id", "id": no_answer}), "data_source.source.id", "invalid_item"),
+        (_completions(BASE, {"type": "file_id", "id": not_json}), "data_source.source.id", "invalid_file"),
         (
             _completions(BASE, one, input_messages=template),
             "data_source.input_messages.template[0].content",
