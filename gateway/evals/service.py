@@ -10,7 +10,6 @@ fails its items with the gateway's own 404, exactly as a client's request would.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import anyio
@@ -45,8 +44,6 @@ from gateway.jobs.validation import check_metadata
 from gateway.protocol import CursorPage
 from gateway.queue import RUN_EVAL, enqueue
 from gateway.tenancy.keys import Principal
-
-logger = logging.getLogger(__name__)
 
 # -- evals -----------------------------------------------------------------------------------------------
 
