@@ -33,10 +33,9 @@ def _run(spec_path: str) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        from trainer.config import TrainerSpec
-        from trainer.run import main
+        from trainer.run import main, read_spec
 
-        spec = TrainerSpec.from_file(spec_path)
+        spec = read_spec(spec_path)
         return main(spec, events, stop_requested)
     except TrainerError as exc:
         traceback.print_exc(file=sys.stderr)
@@ -57,18 +56,28 @@ def cli(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run_p = sub.add_parser("run", help="run one training job from a spec JSON file")
     run_p.add_argument("spec", help="path of SPEC.json")
-    tiny_p = sub.add_parser("make-tiny", help="build the tiny offline chat model into DIR")
+    tiny_p = sub.add_parser(
+        "make-tiny", help="the tiny offline chat model in DIR (shipped weights, or built)"
+    )
     tiny_p.add_argument("dir")
     tiny_p.add_argument("--seed", type=int, default=0)
+    tiny_p.add_argument("--steps", type=int, default=None, help="fitting steps (default: the recipe's)")
+    tiny_p.add_argument(
+        "--from-scratch", action="store_true", help="build even where the shipped weights would do"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "run":
         return _run(args.spec)
-    from trainer.tiny import make_tiny_model
+    from trainer.tiny import TinyRecipe, build_tiny_model, make_tiny_model
 
-    print(make_tiny_model(args.dir, seed=args.seed))
+    if args.from_scratch:
+        steps = TinyRecipe.steps if args.steps is None else args.steps
+        print(build_tiny_model(args.dir, TinyRecipe(seed=args.seed, steps=steps)))
+    else:
+        print(make_tiny_model(args.dir, seed=args.seed, steps=args.steps))
     return 0
 
 

@@ -1,6 +1,6 @@
 """Reinforcement learning on an uploaded environment package, played in its sandbox.
 
-``spec.environment = {"package_dir": DIR, "config": {...}}`` names an extracted package (the worker unpacks
+``spec.environment`` (``package_dir``, ``config``) names an extracted package (the worker unpacks
 the upload with ``envsdk.archive.safe_extract``). :class:`EnvironmentSession` owns its
 :class:`envsdk.Sandbox` (restarted after a crash or a timeout) and gives the trainer:
 
@@ -37,9 +37,9 @@ from typing import Any
 
 from envsdk.errors import EnvSDKError, SandboxError
 from envsdk.graders import parse_tool_calls
-from trainer.config import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
+from trainer.spec import TrainerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +73,9 @@ class EnvironmentSession:
     """The job's environment package, running in its sandbox for the whole job."""
 
     def __init__(self, spec: TrainerSpec) -> None:
-        env = spec.environment or {}
-        package_dir = env.get("package_dir")
-        if not isinstance(package_dir, str) or not package_dir:
+        if spec.environment is None:
             raise TrainerError("invalid_spec", "environment.package_dir is required")
-        config = env.get("config") or {}
-        if not isinstance(config, dict):
-            raise TrainerError("invalid_spec", "environment.config must be an object")
+        package_dir, config = spec.environment.package_dir, spec.environment.config
         from envsdk.sandbox import Sandbox
 
         try:
@@ -447,8 +443,8 @@ def _suffix_ids(tokenizer: Any, observation: list[dict[str, Any]], assistant: di
 def _generate(
     trainer: Any, contexts: list[list[int]], budgets: list[int], temperature: float
 ) -> list[list[int]]:
-    """Sample one turn per context (left-padded batch); each result is cut after its first stop token and
-    at its own budget."""
+    """Sample one turn per context (left-padded batch; greedy at temperature 0); each result is cut after its
+    first stop token and at its own budget."""
     import torch
 
     tokenizer = trainer.processing_class
@@ -459,17 +455,20 @@ def _generate(
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
     max_new = max(1, max(budgets))
     stops = _stop_ids(tokenizer)
+    # Temperature 0 decodes greedily (evaluations); anything else samples from the whole distribution.
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     with torch.no_grad():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention,
             max_new_tokens=max_new,
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
             pad_token_id=pad,
             eos_token_id=list(stops),
+            **sampling,
         )
     results: list[list[int]] = []
     for row, budget in zip(out[:, width:].tolist(), budgets, strict=True):

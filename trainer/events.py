@@ -1,17 +1,9 @@
 """JSON-lines events on stdout: the trainer's only channel to the worker that spawned it.
 
-Every event is one JSON object on one line, flushed at once. Nothing else may reach stdout, so
-``EventWriter.claim_stdout()`` points ``sys.stdout`` at stderr (library prints and progress bars go there)
-and keeps the real stdout for events.
-
-Event shapes::
-
-    {"type": "message", "level": "info"|"warn"|"error", "message": str, "step": int | null}
-    {"type": "metrics", "step": int, "total_steps": int, "data": {"step": int, "train_loss": float, ...}}
-    {"type": "checkpoint", "step": int, "path": str, "metrics": {...}}
-    {"type": "result", "adapter_path": str, "trained_tokens": int, "steps": int, "metrics": {...}}
-    {"type": "stopped", "step": int, "checkpoint": str | null}
-    {"type": "error", "code": str, "message": str}
+Every event is one :data:`trainer.spec.TrainerEvent` as one JSON object on one line, flushed at once.
+Nothing else may reach stdout, so ``EventWriter.claim_stdout()`` points ``sys.stdout`` at stderr (library
+prints and progress bars go there) and keeps the real stdout for events. NaN and infinite numbers become
+``null``.
 """
 
 from __future__ import annotations
@@ -21,7 +13,18 @@ import logging
 import math
 import sys
 import threading
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
+
+from pydantic import BaseModel
+
+from trainer.spec import (
+    CheckpointEvent,
+    ErrorEvent,
+    MessageEvent,
+    MetricsEvent,
+    ResultEvent,
+    StoppedEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,43 +59,46 @@ class EventWriter:
         sys.stdout = sys.stderr
         return writer
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: BaseModel) -> None:
         """Write one event and flush."""
-        line = json.dumps(_clean(event), separators=(",", ":"), default=str)
+        line = json.dumps(_clean(event.model_dump()), separators=(",", ":"), default=str)
         with self._lock:
             self._stream.write(line + "\n")
             self._stream.flush()
 
-    def message(self, message: str, *, level: str = "info", step: int | None = None) -> None:
-        """A human-readable milestone."""
+    def message(
+        self,
+        message: str,
+        *,
+        level: Literal["info", "warn", "error"] = "info",
+        step: int | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        """A human-readable milestone (``data``: numbers that go with it)."""
         logger.info("%s", message)
-        self.emit({"type": "message", "level": level, "message": message, "step": step})
+        self.emit(MessageEvent(level=level, message=message, step=step, data=data))
 
     def metrics(self, step: int, total_steps: int, data: dict[str, Any]) -> None:
         """The numbers of one training step."""
-        self.emit({"type": "metrics", "step": step, "total_steps": total_steps, "data": data})
+        self.emit(MetricsEvent(step=step, total_steps=total_steps, data=data))
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
         """A resumable checkpoint (also loadable as a LoRA adapter) was written."""
-        self.emit({"type": "checkpoint", "step": step, "path": path, "metrics": metrics})
+        self.emit(CheckpointEvent(step=step, path=path, metrics=metrics))
 
     def result(self, adapter_path: str, trained_tokens: int, steps: int, metrics: dict[str, Any]) -> None:
         """The job finished; the final adapter is at ``adapter_path``."""
         self.emit(
-            {
-                "type": "result",
-                "adapter_path": adapter_path,
-                "trained_tokens": trained_tokens,
-                "steps": steps,
-                "metrics": metrics,
-            }
+            ResultEvent(
+                adapter_path=adapter_path, trained_tokens=trained_tokens, steps=steps, metrics=metrics
+            )
         )
 
     def stopped(self, step: int, checkpoint: str | None) -> None:
         """The job stopped on SIGTERM after saving ``checkpoint``."""
-        self.emit({"type": "stopped", "step": step, "checkpoint": checkpoint})
+        self.emit(StoppedEvent(step=step, checkpoint=checkpoint))
 
     def error(self, code: str, message: str) -> None:
         """The job failed; ``message`` is one line without a traceback."""
         one_line = " ".join(str(message).split())[:2000]
-        self.emit({"type": "error", "code": code, "message": one_line})
+        self.emit(ErrorEvent(code=code, message=one_line))

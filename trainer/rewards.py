@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 from envsdk.graders import GraderError, GradeResult, grade, make_sample, validate_grader
 from envsdk.inference_client import InferenceClient
 from envsdk.python_grader import PythonGraders
-from trainer.config import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
+from trainer.spec import TrainerSpec
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession

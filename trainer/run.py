@@ -16,9 +16,19 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import Hyperparameters, TrainerSpec
 from trainer.errors import TrainerError
 from trainer.events import EventWriter
+from trainer.spec import (
+    REQUEST,
+    AnyHyperparameters,
+    DataSummary,
+    DpoHyperparameters,
+    ReinforcementHyperparameters,
+    SupervisedHyperparameters,
+    TrainerSpec,
+    model_defaults,
+    resolve,
+)
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession
@@ -26,14 +36,50 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def build_lora_config(hp: Hyperparameters):  # -> peft.LoraConfig
+def read_spec(path: str | Path) -> TrainerSpec:
+    """Read and check ``SPEC.json``; ``invalid_spec`` names the first problem.
+
+    Hyperparameters left out or ``"auto"`` are resolved as the gateway resolves them (``trainer.spec``),
+    from the sizes of the data files and the base model's defaults.
+    """
+    from pydantic import ValidationError
+
+    from trainer.data import read_jsonl
+
+    try:
+        raw = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise TrainerError("invalid_spec", f"cannot read spec {path}: {exc}") from None
+    try:
+        if isinstance(raw, dict) and raw.get("method") in REQUEST:
+            method = raw["method"]
+            given = REQUEST[method].model_validate(raw.get("hyperparameters") or {})
+            train = str(raw.get("training_file") or "")
+            valid = raw.get("validation_file")
+            data = DataSummary(
+                rows=len(read_jsonl(train)) if train else 1,
+                validation_rows=len(read_jsonl(valid, code="invalid_validation_file")) if valid else None,
+            )
+            try:
+                resolved = resolve(method, given, data, model_defaults(str(raw.get("base_model") or "")))
+            except ValueError as exc:
+                raise TrainerError("invalid_spec", f"hyperparameters.{exc}") from None
+            raw = {**raw, "hyperparameters": resolved.model_dump()}
+        return TrainerSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("constrained-", "literal[")))
+        raise TrainerError("invalid_spec", f"{where}: {first['msg']}" if where else first["msg"]) from None
+
+
+def build_lora_config(hp: AnyHyperparameters):  # -> peft.LoraConfig
     """The LoRA adapter every method trains: all attention and MLP projections of the base model."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=hp.lora_r,
         lora_alpha=hp.lora_alpha,
-        lora_dropout=hp.lora_dropout,
+        lora_dropout=0.0,
         target_modules="all-linear",
         bias="none",
         task_type="CAUSAL_LM",
@@ -109,25 +155,20 @@ def _build_trainer(
     model: Any,
     tokenizer: Any,
     train_ds: Any,
-    eval_ds: Any,
     on_cuda: bool,
+    reward_funcs: list[Any],
     session: EnvironmentSession | None = None,
 ):
     hp = spec.hyperparameters
     args = _common_args(spec, on_cuda)
     peft_config = build_lora_config(hp)
-    if eval_ds is not None and spec.method != "reinforcement":
-        args.update(
-            eval_strategy="steps", eval_steps=hp.checkpoint_every, per_device_eval_batch_size=hp.batch_size
-        )
-    else:
-        eval_ds = None
-    if spec.method == "supervised":
+    if isinstance(hp, SupervisedHyperparameters):
         from trl import SFTConfig, SFTTrainer
 
         sft_config = SFTConfig(
             **args,
             per_device_train_batch_size=hp.batch_size,
+            per_device_eval_batch_size=hp.batch_size,
             max_length=hp.max_length,
             assistant_only_loss=True,
         )
@@ -135,29 +176,29 @@ def _build_trainer(
             model=model,
             args=sft_config,
             train_dataset=train_ds,
-            eval_dataset=eval_ds,
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-    if spec.method == "dpo":
+    if isinstance(hp, DpoHyperparameters):
         from trl import DPOConfig, DPOTrainer
 
         dpo_config = DPOConfig(
-            **args, per_device_train_batch_size=hp.batch_size, beta=hp.beta, max_length=hp.max_length
+            **args,
+            per_device_train_batch_size=hp.batch_size,
+            per_device_eval_batch_size=hp.batch_size,
+            beta=hp.beta,
+            max_length=hp.max_length,
         )
         return DPOTrainer(
             model=model,
             args=dpo_config,
             train_dataset=train_ds,
-            eval_dataset=eval_ds,
             processing_class=tokenizer,
             peft_config=peft_config,
         )
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.rewards import build_reward_funcs
-
-    reward_funcs: list[Any] = list(build_reward_funcs(spec, session))
+    assert isinstance(hp, ReinforcementHyperparameters)
     vllm: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"} if (spec.use_vllm and on_cuda) else {}
     grpo_config = GRPOConfig(
         **args,
@@ -200,9 +241,11 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
         return _finish_from_final_checkpoint(spec, events, state)
     train_ds = load_dataset(spec.method, spec.training_file)
     eval_ds = None
-    if spec.validation_file:
+    if spec.evaluates:
+        assert spec.validation_file is not None
         eval_ds = load_dataset(spec.method, spec.validation_file, code="invalid_validation_file")
     session: EnvironmentSession | None = None
+    reward_funcs: list[Any] = []
     if spec.method == "reinforcement":
         from trainer.rewards import build_reward_funcs
 
@@ -214,9 +257,9 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
                 f"Environment {session.name} ({session.kind}) started in its sandbox "
                 f"({session.sandbox.backend})"
             )
-        build_reward_funcs(spec, session)  # fail on a bad grader before loading the model
+        reward_funcs = build_reward_funcs(spec, session)  # a bad grader fails before the model loads
     try:
-        return _train(spec, events, stop_requested, train_ds, eval_ds, resume_step, session)
+        return _train(spec, events, stop_requested, train_ds, eval_ds, resume_step, reward_funcs, session)
     finally:
         if session is not None:
             session.close()
@@ -229,14 +272,23 @@ def _train(
     train_ds: Any,
     eval_ds: Any,
     resume_step: int,
+    reward_funcs: list[Any],
     session: EnvironmentSession | None,
 ) -> int:
     events.message(f"Validated {len(train_ds)} training examples for {spec.method} job {spec.job_id}")
+    if eval_ds is not None:
+        events.message(f"Validated {len(eval_ds)} validation examples")
+    events.message(
+        "Hyperparameters: "
+        + ", ".join(f"{k}={v}" for k, v in spec.hyperparameters.model_dump().items() if v != "auto"),
+        data=spec.hyperparameters.model_dump(),
+    )
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     from trainer.callbacks import EventCallback, read_checkpoint_tokens
+    from trainer.evaluation import build_validator
 
     on_cuda = torch.cuda.is_available()
     if spec.use_vllm and not on_cuda:
@@ -256,7 +308,10 @@ def _train(
     n_params = sum(p.numel() for p in model.parameters())
     events.message(f"Loaded model {Path(spec.base_model).name} ({n_params:,} parameters) on {model.device}")
 
-    trainer = _build_trainer(spec, model, tokenizer, train_ds, eval_ds, on_cuda, session)
+    trainer = _build_trainer(spec, model, tokenizer, train_ds, on_cuda, reward_funcs, session)
+    validator = None
+    if eval_ds is not None:
+        validator = build_validator(spec, trainer, eval_ds, reward_funcs, session)
     callback = EventCallback(
         events,
         stop_requested=stop_requested,
@@ -264,6 +319,8 @@ def _train(
         if spec.resume_from_checkpoint
         else 0,
         tokens_restored_by_state=spec.method == "reinforcement",
+        validator=validator,
+        eval_interval=spec.hyperparameters.eval_interval or 0,
     )
     trainer.add_callback(callback)
     if spec.resume_from_checkpoint:
@@ -275,6 +332,7 @@ def _train(
         events.message(f"stopped at step {step}", step=step)
         events.stopped(step, callback.last_checkpoint)
         return 0
+    callback.announce_best()
     events.message("Saving adapter", step=step)
     adapter_dir = spec.adapter_dir
     trainer.model.save_pretrained(str(adapter_dir))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,6 +19,8 @@ from gateway.files import store as files_store
 from gateway.jobs import store
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.validation import (
+    DatasetSummary,
+    MethodSpec,
     RowError,
     check_metadata,
     check_suffix,
@@ -31,6 +34,7 @@ from gateway.queue import enqueue
 from gateway.tenancy.keys import Principal
 from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
+from trainer.spec import Hyperparameters, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -57,38 +61,15 @@ async def _owned_file(res: Resources, org_id: str, file_id: str, purpose: str, p
 async def create(
     res: Resources, who: Principal, body: JobCreate, idempotency_key: str | None
 ) -> FineTuningJob:
+    """Validate the request, insert the job, check its files row by row, resolve its hyperparameters and
+    queue it. A file that does not fit the method fails the job (it stays listed with its error)."""
     org = who.organization_id
     request_hash = _request_hash(body)
     if idempotency_key:
         existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key)
         if existing is not None:
             return _replay(existing, request_hash)
-
-    if body.model not in res.settings.base_models:
-        raise InvalidRequest(
-            f"Model '{body.model}' is not available for fine-tuning; choose one of "
-            f"{', '.join(sorted(res.settings.base_models))}.",
-            param="model",
-            code="model_not_available",
-        )
-    check_suffix(body.suffix)
-    check_metadata(body.metadata)
-    spec = normalise_method(body.method, body.hyperparameters)
-    training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
-    if body.validation_file:
-        await _owned_file(res, org, body.validation_file, "fine-tune", "validation_file")
-    if spec.environment is not None:
-        await _owned_file(
-            res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
-        )
-    await _check_budget(res, org, body.model, training["bytes"], spec.hyperparameters)
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    method: dict[str, Any] = {"type": spec.type, spec.type: {"hyperparameters": spec.hyperparameters}}
-    if spec.grader is not None:
-        method[spec.type]["grader"] = spec.grader
-    if spec.environment is not None:
-        method[spec.type]["environment"] = spec.environment
-
+    spec, files = await _validate(res, org, body)
     try:
         row = await store.insert(
             res.pool,
@@ -97,9 +78,8 @@ async def create(
             model=body.model,
             training_file=body.training_file,
             validation_file=body.validation_file,
-            method=method,
-            hyperparameters=spec.hyperparameters,
-            seed=seed,
+            method=_method_object(spec),
+            seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
             suffix=body.suffix,
             metadata=body.metadata,
             integrations=body.integrations,
@@ -110,68 +90,133 @@ async def create(
         existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key or "")
         assert existing is not None
         return _replay(existing, request_hash)
-    job_id = row["id"]
-    await store.add_event(
-        res.pool, job_id=job_id, org_id=org, message=f"Created fine-tuning job: {job_id}", dedup_key="created"
-    )
-    await store.add_event(
-        res.pool,
-        job_id=job_id,
-        org_id=org,
-        message=f"Validating training file: {body.training_file}",
-        dedup_key="validating",
-    )
-
-    path = res.blobs.path(training["blob_key"])
+    events = JobEvents(res.pool, row["id"], org)
+    await events.add(f"Created fine-tuning job: {row['id']}", "created")
+    await events.add(f"Validating training file: {body.training_file}", "validating")
     try:
-        summary = await anyio.to_thread.run_sync(
-            lambda: check_training_file(path, spec.type, max_line_bytes=res.settings.max_jsonl_line_bytes)
-        )
-    except (RowError, InvalidRequest) as exc:
-        message = str(exc) if isinstance(exc, RowError) else exc.message
-        error = {
-            "code": "invalid_training_file",
-            "message": f"Training file {body.training_file}: {message}",
-            "param": "training_file",
-        }
-        failed = await store.to_failed(
-            res.pool, job_id=job_id, error=error, from_states=("validating_files",)
-        )
-        await store.add_event(
-            res.pool,
-            job_id=job_id,
-            org_id=org,
-            level="error",
-            message=error["message"],
-            dedup_key="validation_failed",
-        )
-        return FineTuningJob.from_row(failed or row)
-
-    hp = resolve_hyperparameters(spec, summary)
-    method[spec.type]["hyperparameters"] = {
-        k: v for k, v in hp.items() if k not in ("total_steps", "learning_rate")
-    }
-    queued = await store.to_queued(
-        res.pool, job_id=job_id, method=method, hyperparameters=hp, total_steps=hp["total_steps"]
+        summaries = [
+            await _check_rows(res, path, spec.type, which)
+            for path, which in zip(files, ("training_file", "validation_file"), strict=False)
+        ]
+    except FileRejected as exc:
+        return await _fail_validation(res, events, row, body, exc)
+    spec.hyperparameters = resolve_hyperparameters(
+        spec,
+        summaries[0],
+        summaries[1] if len(summaries) > 1 else None,
+        res.settings.base_model_path(body.model),
     )
+    hp = spec.hyperparameters
+    assert isinstance(hp, Hyperparameters)
+    steps = total_steps(summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
+    queued = await store.to_queued(res.pool, job_id=row["id"], method=_method_object(spec), total_steps=steps)
     if queued is None:  # cancelled while validating
-        current = await store.get(res.pool, org_id=org, job_id=job_id)
+        current = await store.get(res.pool, org_id=org, job_id=row["id"])
         assert current is not None
         return FineTuningJob.from_row(current)
-    await store.add_event(
-        res.pool,
-        job_id=job_id,
-        org_id=org,
-        message="Files validated, moving job to queued state",
-        dedup_key="queued:1",
-    )
-    await enqueue(res.queue, res.settings.queue_name, job_id, queued["queue_generation"])
+    await events.add("Files validated, moving job to queued state", "queued:1")
+    await enqueue(res.queue, res.settings.queue_name, row["id"], queued["queue_generation"])
     return FineTuningJob.from_row(queued)
 
 
-async def _check_budget(
-    res: Resources, org_id: str, base_model: str, file_bytes: int, hyperparameters: dict[str, Any]
-) -> None:
+class JobEvents:
+    """Adds one job's events (each at most once per dedup key)."""
+
+    def __init__(self, pool: asyncpg.Pool, job_id: str, org_id: str) -> None:
+        self.pool, self.job_id, self.org_id = pool, job_id, org_id
+
+    async def add(self, message: str, dedup_key: str | None = None, *, level: str = "info") -> None:
+        await store.add_event(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            message=message,
+            dedup_key=dedup_key,
+            level=level,
+        )
+
+
+async def _validate(res: Resources, org: str, body: JobCreate) -> tuple[MethodSpec, list[Path]]:
+    """Everything a create can be refused for before it is inserted; returns the method and the paths of
+    the training (and validation) file."""
+    if body.model not in res.settings.base_models:
+        raise InvalidRequest(
+            f"Model '{body.model}' is not available for fine-tuning; choose one of "
+            f"{', '.join(sorted(res.settings.base_models))}.",
+            param="model",
+            code="model_not_available",
+        )
+    check_suffix(body.suffix)
+    check_metadata(body.metadata)
+    spec = normalise_method(body.method, body.hyperparameters)
+    # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
+    probe = DatasetSummary(1, 0)
+    resolve_hyperparameters(
+        spec, probe, probe if body.validation_file else None, res.settings.base_model_path(body.model)
+    )
+    training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
+    files = [res.blobs.path(training["blob_key"])]
+    if body.validation_file:
+        validation = await _owned_file(res, org, body.validation_file, "fine-tune", "validation_file")
+        files.append(res.blobs.path(validation["blob_key"]))
+    if spec.environment is not None:
+        await _owned_file(
+            res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
+        )
+    epochs = getattr(spec.hyperparameters, "n_epochs", 1)
+    await _check_budget(res, org, body.model, training["bytes"], epochs if isinstance(epochs, int) else 1)
+    return spec, files
+
+
+def _method_object(spec: MethodSpec) -> dict[str, Any]:
+    """The job's `method` as stored and shown: its hyperparameters (as given, or resolved) and reward."""
+    body: dict[str, Any] = {"hyperparameters": spec.hyperparameters.model_dump(exclude_none=True)}
+    if spec.grader is not None:
+        body["grader"] = spec.grader
+    if spec.environment is not None:
+        body["environment"] = spec.environment
+    return {"type": spec.type, spec.type: body}
+
+
+class FileRejected(Exception):
+    """A training or validation file that does not fit the job's method."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+async def _check_rows(res: Resources, path: Path, kind: str, param: str) -> DatasetSummary:
+    """A training or validation file checked row by row against the method (in a thread)."""
+    limit = res.settings.max_jsonl_line_bytes
+    try:
+        return await anyio.to_thread.run_sync(lambda: check_training_file(path, kind, max_line_bytes=limit))
+    except RowError as exc:
+        raise FileRejected(param, str(exc)) from None
+    except InvalidRequest as exc:
+        raise FileRejected(param, exc.message) from None
+
+
+async def _fail_validation(
+    res: Resources, events: JobEvents, row: asyncpg.Record, body: JobCreate, exc: FileRejected
+) -> FineTuningJob:
+    name, file_id = (
+        ("Validation", body.validation_file)
+        if exc.param == "validation_file"
+        else ("Training", body.training_file)
+    )
+    error = {
+        "code": f"invalid_{exc.param}",
+        "message": f"{name} file {file_id}: {exc.message}",
+        "param": exc.param,
+    }
+    failed = await store.to_failed(res.pool, job_id=row["id"], error=error, from_states=("validating_files",))
+    await events.add(error["message"], "validation_failed", level="error")
+    return FineTuningJob.from_row(failed or row)
+
+
+async def _check_budget(res: Resources, org_id: str, base_model: str, file_bytes: int, epochs: int) -> None:
     """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget.
 
     Trained tokens are estimated from the file (about four bytes a token) times the epochs.
@@ -179,8 +224,6 @@ async def _check_budget(
     billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
     if billing is None or billing["monthly_budget_usd"] is None:
         return
-    epochs = hyperparameters.get("n_epochs")
-    epochs = epochs if isinstance(epochs, int) and epochs > 0 else 1
     estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
     guard = res.serving.guard if res.serving is not None else None
     if guard is None:

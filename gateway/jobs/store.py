@@ -15,8 +15,8 @@ from gateway.ids import new_id
 
 INSERT = """
 INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
-    method, hyperparameters, seed, suffix, metadata, integrations, idempotency_key, request_hash)
-VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14)
+    method, seed, suffix, metadata, integrations, idempotency_key, request_hash)
+VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13)
 RETURNING *"""
 GET = "SELECT * FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
 GET_ANY = "SELECT * FROM fine_tuning_jobs WHERE id = $1"
@@ -30,7 +30,7 @@ ORDER BY seq DESC LIMIT $4"""
 
 TO_QUEUED = """
 UPDATE fine_tuning_jobs
-SET status = 'queued', method = $2, hyperparameters = $3, total_steps = $4,
+SET status = 'queued', method = $2, total_steps = $3,
     queued_at = now(), queue_generation = queue_generation + 1
 WHERE id = $1 AND status = 'validating_files' RETURNING *"""
 TO_FAILED = """
@@ -73,7 +73,6 @@ async def insert(conn: Conn, **kw: Any) -> asyncpg.Record:
         kw["training_file"],
         kw["validation_file"],
         kw["method"],
-        kw["hyperparameters"],
         kw["seed"],
         kw["suffix"],
         kw["metadata"],
@@ -103,9 +102,9 @@ async def list_page(
 
 
 async def to_queued(
-    conn: Conn, *, job_id: str, method: dict[str, Any], hyperparameters: dict[str, Any], total_steps: int
+    conn: Conn, *, job_id: str, method: dict[str, Any], total_steps: int
 ) -> asyncpg.Record | None:
-    return await conn.fetchrow(TO_QUEUED, job_id, method, hyperparameters, total_steps)
+    return await conn.fetchrow(TO_QUEUED, job_id, method, total_steps)
 
 
 async def to_failed(

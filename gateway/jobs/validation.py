@@ -1,84 +1,31 @@
-"""Checks of a job create: method and hyperparameters (with OpenAI's ranges), and training rows per method.
+"""Checks of a job create: the method and its hyperparameters, and the training rows per method.
 
-Hyperparameters left as `"auto"` are resolved here from the training file's size, so the job object shows
-the values training will use. Learning rates are `learning_rate_multiplier x BASE_LEARNING_RATE[method]`.
+Hyperparameters are the training contract's own models (`trainer.spec`): their ranges, their defaults and
+how `"auto"` is resolved are defined there once. `"auto"` is resolved here, from the training and validation
+files' sizes and the base model's measured defaults, so the job object shows the values training will use.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
 from envsdk.graders import GraderError, validate_grader
 from gateway.errors import InvalidRequest
 from gateway.files.validation import read_rows
+from trainer.spec import (
+    METHODS,
+    REQUEST,
+    AnyHyperparameters,
+    DataSummary,
+    model_defaults,
+    resolve,
+)
 
-METHODS = ("supervised", "dpo", "reinforcement")
-
-BASE_LEARNING_RATE = {"supervised": 2e-4, "dpo": 5e-5, "reinforcement": 1e-5}
-"""LoRA learning rate that a `learning_rate_multiplier` of 1 means, per method."""
-
-# (min, max, integer?) of each numeric hyperparameter; None = unbounded on that side.
-_RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    "batch_size": (1, 256, True),
-    "learning_rate_multiplier": (0, 10_000, False),
-    "n_epochs": (1, 50, True),
-    "beta": (0, 2, False),
-    "compute_multiplier": (0.00001, 10, False),
-    "eval_interval": (1, None, True),
-    "eval_samples": (1, None, True),
-    # extensions (reinforcement)
-    "num_generations": (2, 64, True),
-    "max_completion_length": (1, 32_768, True),
-    "temperature": (0, 2, False),
-    "kl_beta": (0, 10, False),
-    "max_steps": (1, 1_000_000, True),
-    "checkpoint_every": (1, 1_000_000, True),
-    "lora_r": (1, 256, True),
-    "lora_alpha": (1, 1024, True),
-}
-_ALLOWED = {
-    "supervised": {
-        "batch_size",
-        "learning_rate_multiplier",
-        "n_epochs",
-        "max_steps",
-        "checkpoint_every",
-        "lora_r",
-        "lora_alpha",
-    },
-    "dpo": {
-        "batch_size",
-        "learning_rate_multiplier",
-        "n_epochs",
-        "beta",
-        "max_steps",
-        "checkpoint_every",
-        "lora_r",
-        "lora_alpha",
-    },
-    "reinforcement": {
-        "batch_size",
-        "learning_rate_multiplier",
-        "n_epochs",
-        "reasoning_effort",
-        "compute_multiplier",
-        "eval_interval",
-        "eval_samples",
-        "num_generations",
-        "max_completion_length",
-        "temperature",
-        "kl_beta",
-        "max_steps",
-        "checkpoint_every",
-        "lora_r",
-        "lora_alpha",
-    },
-}
-_EXCLUSIVE_ZERO = {"learning_rate_multiplier", "beta", "compute_multiplier"}
 _SUFFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
@@ -88,7 +35,8 @@ class MethodSpec:
     """A create's method, normalised: its type, the hyperparameters as given, and its reward source."""
 
     type: str
-    hyperparameters: dict[str, Any]
+    hyperparameters: BaseModel
+    """A `trainer.spec.REQUEST` model (may hold "auto") until resolved, then the method's resolved model."""
     grader: dict[str, Any] | None = None
     environment: dict[str, Any] | None = None
 
@@ -116,34 +64,26 @@ def check_metadata(metadata: dict[str, Any] | None) -> None:
             )
 
 
-def _check_hyperparameters(kind: str, hp: dict[str, Any], param: str) -> dict[str, Any]:
-    if not isinstance(hp, dict):
-        raise InvalidRequest("hyperparameters must be an object.", param=param)
-    out: dict[str, Any] = {}
-    for key, value in hp.items():
-        p = f"{param}.{key}"
-        if key not in _ALLOWED[kind]:
-            raise InvalidRequest(f"Unknown hyperparameter '{key}' for method '{kind}'.", param=p)
-        if key == "reasoning_effort":
-            if value not in ("default", "low", "medium", "high"):
-                raise InvalidRequest("reasoning_effort must be default, low, medium or high.", param=p)
-            out[key] = value
-            continue
-        if value == "auto" or value is None:
-            out[key] = "auto"
-            continue
-        lo, hi, integer = _RANGES[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or (integer and int(value) != value):
-            raise InvalidRequest(
-                f"{key} must be {'an integer' if integer else 'a number'} or 'auto'.", param=p
-            )
-        if (lo is not None and (value < lo or (key in _EXCLUSIVE_ZERO and value <= lo))) or (
-            hi is not None and value > hi
-        ):
-            bounds = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-            raise InvalidRequest(f"{key} must be {bounds}; got {value}.", param=p)
-        out[key] = int(value) if integer else float(value)
-    return out
+def _hyperparameter_error(exc: ValidationError, kind: str, param: str) -> InvalidRequest:
+    """The first problem of a hyperparameters object, with `param` naming the field."""
+    error = exc.errors()[0]
+    name = str(error["loc"][0]) if error["loc"] else ""
+    where = f"{param}.{name}" if name else param
+    if error["type"] == "extra_forbidden":
+        return InvalidRequest(f"Unknown hyperparameter '{name}' for method '{kind}'.", param=where)
+    if error["type"] == "model_type":
+        return InvalidRequest("hyperparameters must be an object.", param=param)
+    # A union with "auto" reports each branch; the number's own complaint is the one that helps.
+    message = error["msg"].removeprefix("Value error, ")
+    return InvalidRequest(f"{name}: {message} (or 'auto').", param=where)
+
+
+def check_hyperparameters(kind: str, given: Any, param: str) -> BaseModel:
+    """`given` checked against `kind`'s hyperparameter model (unknown names and NaN refused)."""
+    try:
+        return REQUEST[kind].model_validate(given if given is not None else {})
+    except ValidationError as exc:
+        raise _hyperparameter_error(exc, kind, param) from None
 
 
 def check_grader(grader: Any, param: str) -> None:
@@ -157,7 +97,7 @@ def check_grader(grader: Any, param: str) -> None:
 def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> MethodSpec:
     """The method of a create; legacy top-level `hyperparameters` mean supervised."""
     if method is None:
-        return MethodSpec("supervised", _check_hyperparameters("supervised", legacy or {}, "hyperparameters"))
+        return MethodSpec("supervised", check_hyperparameters("supervised", legacy or {}, "hyperparameters"))
     if not isinstance(method, dict):
         raise InvalidRequest("method must be an object.", param="method")
     kind = method.get("type")
@@ -166,7 +106,7 @@ def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | Non
     body = method.get(kind) or {}
     if not isinstance(body, dict):
         raise InvalidRequest(f"method.{kind} must be an object.", param=f"method.{kind}")
-    hp = _check_hyperparameters(
+    hp = check_hyperparameters(
         kind, body.get("hyperparameters") or legacy or {}, f"method.{kind}.hyperparameters"
     )
     spec = MethodSpec(kind, hp)
@@ -260,34 +200,15 @@ def check_training_file(path: Path, kind: str, *, max_line_bytes: int) -> Datase
     return DatasetSummary(rows, chars)
 
 
-def resolve_hyperparameters(spec: MethodSpec, summary: DatasetSummary) -> dict[str, Any]:
-    """Replace every `"auto"` (and every omitted core value) by the number training will use."""
-    hp = dict(spec.hyperparameters)
-
-    def pick(key: str, value: Any) -> None:
-        if hp.get(key, "auto") == "auto":
-            hp[key] = value
-
-    pick("batch_size", max(1, min(8, summary.rows // 4 or 1)))
-    pick("n_epochs", max(1, min(10, math.ceil(64 / max(summary.rows, 1)))))
-    pick("learning_rate_multiplier", 1.0)
-    if spec.type == "dpo":
-        pick("beta", 0.1)
-    if spec.type == "reinforcement":
-        pick("num_generations", 4)
-        pick("max_completion_length", 64)
-        pick("temperature", 1.0)
-        pick("kl_beta", 0.0)
-        pick("reasoning_effort", "default")
-        pick("compute_multiplier", 1.0)
-    steps = math.ceil(summary.rows / hp["batch_size"]) * hp["n_epochs"]
-    if isinstance(hp.get("max_steps"), int):
-        steps = min(steps, hp["max_steps"])
-    else:
-        hp.pop("max_steps", None)
-    pick("checkpoint_every", max(1, math.ceil(steps / 4)))
-    pick("lora_r", 8)
-    pick("lora_alpha", 16)
-    hp["learning_rate"] = hp["learning_rate_multiplier"] * BASE_LEARNING_RATE[spec.type]
-    hp["total_steps"] = steps
-    return hp
+def resolve_hyperparameters(
+    spec: MethodSpec, summary: DatasetSummary, validation: DatasetSummary | None, model_path: Path
+) -> AnyHyperparameters:
+    """Every `"auto"` replaced by the number training will use (`trainer.spec.resolve`)."""
+    data = DataSummary(rows=summary.rows, validation_rows=validation.rows if validation else None)
+    try:
+        return resolve(spec.type, spec.hyperparameters, data, model_defaults(model_path))
+    except ValueError as exc:
+        name, _, message = str(exc).partition(": ")
+        raise InvalidRequest(
+            f"{name}: {message}.", param=f"method.{spec.type}.hyperparameters.{name}"
+        ) from None

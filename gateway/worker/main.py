@@ -29,7 +29,8 @@ from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import store
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
-from gateway.worker.runner import JobRun
+from gateway.worker.runner import JobRun, RunOutcome
+from trainer.spec import ErrorEvent, ResultEvent
 
 logger = logging.getLogger(__name__)
 
@@ -98,17 +99,15 @@ async def _train(ctx: dict[str, Any], run: JobRun) -> str:
     return await asyncio.shield(_finish(run, outcome, ctx))
 
 
-async def _finish(run: JobRun, outcome: Any, ctx: dict[str, Any]) -> str:
+async def _finish(run: JobRun, outcome: RunOutcome, ctx: dict[str, Any]) -> str:
     pool: asyncpg.Pool = ctx["pool"]
-    if outcome.kind == "result":
+    if isinstance(outcome.event, ResultEvent):
         row = await run.succeed(outcome.event)
         if row is not None:
             run.cleanup()
             return "succeeded"
-    elif outcome.kind in ("error", "crashed") and run.stop_reason is None:
-        await run.fail(
-            outcome.event.get("code", "trainer_error"), outcome.event.get("message", "training failed")
-        )
+    elif isinstance(outcome.event, ErrorEvent) and run.stop_reason is None:
+        await run.fail(outcome.event.code, outcome.event.message)
         return "failed"
     # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
     # The attempt's training usage is written in the same transaction that lets the job go.

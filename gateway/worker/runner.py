@@ -17,18 +17,18 @@ import csv
 import ctypes
 import hashlib
 import io
-import json
 import logging
 import os
 import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from pydantic import ValidationError
 
 from gateway.blobstore import BlobStore
 from gateway.ids import new_id
@@ -40,23 +40,20 @@ from gateway.serving.service import load_adapter_everywhere
 from gateway.settings import Settings, settings_env
 from gateway.usage.pricing import training_cost
 from gateway.worker import store
+from trainer.spec import (
+    EVENT,
+    CheckpointEvent,
+    ErrorEvent,
+    MessageEvent,
+    MetricsEvent,
+    ResultEvent,
+    StoppedEvent,
+    TrainerEvent,
+    TrainerSpec,
+)
 
 logger = logging.getLogger(__name__)
 
-TRAINER_HYPERPARAMETERS = (
-    "n_epochs",
-    "batch_size",
-    "learning_rate",
-    "beta",
-    "num_generations",
-    "max_completion_length",
-    "temperature",
-    "kl_beta",
-    "max_steps",
-    "checkpoint_every",
-    "lora_r",
-    "lora_alpha",
-)
 _PR_SET_PDEATHSIG = 1
 BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
 
@@ -75,11 +72,15 @@ def fine_tuned_model_name(job: asyncpg.Record) -> str:
 
 @dataclass
 class RunOutcome:
-    """How a trainer run ended."""
+    """How a trainer run ended: its last event, or ``None`` when the trainer died without one."""
 
-    kind: str  # "result" | "error" | "stopped" | "crashed"
-    event: dict[str, Any] = field(default_factory=dict)
+    event: ResultEvent | ErrorEvent | StoppedEvent | None
     stderr_tail: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``result``, ``error``, ``stopped`` or ``crashed``."""
+        return self.event.type if self.event is not None else "crashed"
 
 
 class JobRun:
@@ -134,7 +135,6 @@ class JobRun:
         method = job["method"]
         kind = method["type"]
         body = method.get(kind, {})
-        hp = {k: v for k, v in job["hyperparameters"].items() if k in TRAINER_HYPERPARAMETERS}
         environment = None
         if body.get("environment"):
             # The uploaded package, unpacked again under the same caps as its upload check.
@@ -143,26 +143,28 @@ class JobRun:
             await asyncio.to_thread(self._extract_environment, archive, package_dir)
             environment = {"package_dir": str(package_dir), "config": body["environment"].get("config", {})}
         upstreams = self.settings.base_models[job["model"]].upstreams
-        spec = {
-            "job_id": self.job_id,
-            "method": kind,
-            "base_model": str(self.settings.base_model_path(job["model"])),
-            "training_file": str(await self._file_path(job["training_file"])),
-            "validation_file": str(await self._file_path(job["validation_file"]))
-            if job["validation_file"]
-            else None,
-            "output_dir": str(self.workdir / "out"),
-            "resume_from_checkpoint": job["last_checkpoint"],
-            "seed": job["seed"],
-            "hyperparameters": hp,
-            "grader": body.get("grader"),
-            "environment": environment,
-            "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
-            "inference_api_key": None,
-            "allow_unsandboxed": self.settings.allow_unsandboxed_environments,
-        }
+        spec = TrainerSpec.model_validate(
+            {
+                "job_id": self.job_id,
+                "method": kind,
+                "base_model": str(self.settings.base_model_path(job["model"])),
+                "training_file": str(await self._file_path(job["training_file"])),
+                "validation_file": str(await self._file_path(job["validation_file"]))
+                if job["validation_file"]
+                else None,
+                "output_dir": str(self.workdir / "out"),
+                "resume_from_checkpoint": job["last_checkpoint"],
+                "seed": job["seed"],
+                "hyperparameters": body["hyperparameters"],
+                "grader": body.get("grader"),
+                "environment": environment,
+                "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
+                "inference_api_key": None,
+                "allow_unsandboxed": self.settings.allow_unsandboxed_environments,
+            }
+        )
         path = self.workdir / "spec.json"
-        path.write_text(json.dumps(spec, indent=2))
+        path.write_text(spec.model_dump_json(indent=2))
         return path
 
     def _extract_environment(self, archive: Path, package_dir: Path) -> None:
@@ -214,8 +216,8 @@ class JobRun:
                     if not line:
                         continue
                     try:
-                        event = json.loads(line)
-                    except json.JSONDecodeError:
+                        event = EVENT.validate_json(line)
+                    except ValidationError:
                         logger.warning("job %s: trainer wrote a non-event line: %.200s", self.job_id, line)
                         continue
                     final = await self.handle(event)
@@ -228,14 +230,8 @@ class JobRun:
                     await beat
         if outcome is None:
             tail = _tail(stderr_path)
-            outcome = RunOutcome(
-                "crashed",
-                {
-                    "code": "trainer_crashed",
-                    "message": tail or f"trainer exited with code {self.proc.returncode}",
-                },
-                tail,
-            )
+            message = tail or f"trainer exited with code {self.proc.returncode}"
+            outcome = RunOutcome(ErrorEvent(code="trainer_crashed", message=message), tail)
         return outcome
 
     async def stop(self, reason: str) -> None:
@@ -317,17 +313,16 @@ class JobRun:
         return True
 
     # ---- events -----------------------------------------------------------------------------------
-    async def handle(self, event: dict[str, Any]) -> RunOutcome | None:
-        kind = event.get("type")
-        if kind == "metrics":
-            step = int(event["step"])
-            self.step = step
+    async def handle(self, event: TrainerEvent) -> RunOutcome | None:
+        """Record one trainer event (once, also when a resumed run replays it); the last one ends the run."""
+        if isinstance(event, MetricsEvent):
+            self.step = event.step
             self.progress_mono = time.monotonic()
-            data = dict(event.get("data") or {})
+            data = dict(event.data)
             if isinstance(data.get("tokens"), int):
                 self.tokens_seen = data["tokens"]
-            data.setdefault("step", step)
-            data["total_steps"] = event.get("total_steps")
+            data.setdefault("step", event.step)
+            data["total_steps"] = event.total_steps
             self.metrics_rows.append(data)
             await jobs_store.add_event(
                 self.pool,
@@ -335,26 +330,22 @@ class JobRun:
                 org_id=self.org_id,
                 type="metrics",
                 data=data,
-                message=_metrics_message(step, event.get("total_steps"), data),
-                dedup_key=f"metrics:{step}",
+                message=_metrics_message(event.step, event.total_steps, data),
+                dedup_key=f"metrics:{event.step}",
             )
-        elif kind == "checkpoint":
-            await self._checkpoint(int(event["step"]), Path(event["path"]), event.get("metrics") or {})
-        elif kind == "message":
-            level = {"warning": "warn"}.get(event.get("level", "info"), event.get("level", "info"))
+        elif isinstance(event, CheckpointEvent):
+            await self._checkpoint(event.step, Path(event.path), event.metrics)
+        elif isinstance(event, MessageEvent):
             await jobs_store.add_event(
                 self.pool,
                 job_id=self.job_id,
                 org_id=self.org_id,
-                level=level if level in ("info", "warn", "error") else "info",
-                message=str(event.get("message", ""))[:4000],
+                level=event.level,
+                message=event.message[:4000],
+                data=event.data,
             )
-        elif kind == "result":
-            return RunOutcome("result", event)
-        elif kind == "error":
-            return RunOutcome("error", event)
-        elif kind == "stopped":
-            return RunOutcome("stopped", event)
+        elif isinstance(event, ResultEvent | ErrorEvent | StoppedEvent):
+            return RunOutcome(event)
         return None
 
     async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
@@ -380,12 +371,12 @@ class JobRun:
         )
 
     # ---- the end ------------------------------------------------------------------------------------
-    async def succeed(self, event: dict[str, Any]) -> asyncpg.Record | None:
+    async def succeed(self, event: ResultEvent) -> asyncpg.Record | None:
         """Store the adapter, register the model and the result file, and mark the job succeeded — one
         transaction, guarded by this worker still holding a running job."""
         model = fine_tuned_model_name(self.job)
         adapter = await asyncio.to_thread(
-            self.blobs.put_tree, Path(event["adapter_path"]), f"adapters/{self.org_id}/{self.job_id}"
+            self.blobs.put_tree, Path(event.adapter_path), f"adapters/{self.org_id}/{self.job_id}"
         )
         # Serve the new model before the job reports success: every engine of the base model loads it now.
         loaded = await load_adapter_everywhere(self.settings, model, self.job["model"], str(adapter))
@@ -405,14 +396,14 @@ class JobRun:
                 job_id=self.job_id,
                 worker_id=self.worker_id,
                 model=model,
-                trained_tokens=int(event.get("trained_tokens") or 0),
+                trained_tokens=event.trained_tokens,
                 result_files=[file_id],
-                step=int(event.get("steps") or self.step or 0),
+                step=event.steps or self.step or 0,
             )
             if row is None:
                 temp.unlink(missing_ok=True)
                 return None
-            await self.record_usage(conn, "succeeded", total_tokens=int(event.get("trained_tokens") or 0))
+            await self.record_usage(conn, "succeeded", total_tokens=event.trained_tokens)
             await store.add_result_file(
                 conn,
                 file_id=file_id,

@@ -112,6 +112,32 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
             {"method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1.5}}}},
             "method.supervised.hyperparameters.n_epochs",
         ),
+        (
+            {"method": {"type": "supervised", "supervised": {"hyperparameters": {"num_generations": 4}}}},
+            "method.supervised.hyperparameters.num_generations",
+        ),
+        (
+            {"method": {"type": "dpo", "dpo": {"hyperparameters": {"batch_size": "8"}}}},
+            "method.dpo.hyperparameters.batch_size",
+        ),
+        (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {"grader": GRADER, "hyperparameters": {"reasoning_effort": "high"}},
+                }
+            },
+            "method.reinforcement.hyperparameters.reasoning_effort",
+        ),
+        (
+            {
+                "method": {
+                    "type": "reinforcement",
+                    "reinforcement": {"grader": GRADER, "hyperparameters": {"eval_interval": 2}},
+                }
+            },
+            "method.reinforcement.hyperparameters.eval_interval",
+        ),
         ({"method": {"type": "reinforcement", "reinforcement": {}}}, "method.reinforcement.grader"),
         (
             {
@@ -179,6 +205,25 @@ def test_invalid_create_fields(tenant: Tenant, kwargs: dict[str, Any], param: st
     with pytest.raises(openai.BadRequestError) as err:
         create(tenant, **body)
     assert err.value.param == param, err.value.message
+    assert tenant.client.fine_tuning.jobs.list().data == []
+
+
+def test_non_finite_hyperparameters_are_refused(stack: GatewayServer, tenant: Tenant) -> None:
+    """JSON has no NaN or Infinity, yet parsers take them: a hyperparameter may never be one."""
+    fid = upload(tenant, [SFT])
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        hp = {"learning_rate_multiplier": "LITERAL"}
+        method = {"type": "supervised", "supervised": {"hyperparameters": hp}}
+        body = json.dumps({"model": "tiny-chat", "training_file": fid, "method": method})
+        body = body.replace('"LITERAL"', literal)
+        resp = httpx.post(
+            f"{stack.url}/v1/fine_tuning/jobs",
+            content=body,
+            headers={"Authorization": f"Bearer {tenant.key}", "Content-Type": "application/json"},
+        )
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "method.supervised.hyperparameters.learning_rate_multiplier", error
     assert tenant.client.fine_tuning.jobs.list().data == []
 
 

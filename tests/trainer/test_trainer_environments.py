@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tests.trainer.conftest import REPO, lora_tensors, make_spec, run_trainer
-from trainer.config import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.environment import EnvironmentSession
+from trainer.run import read_spec
 
 pytestmark = pytest.mark.slow
 
@@ -174,16 +174,8 @@ LONGEST = (
 
 def test_group_reward_judges_each_prompt_s_completions_together(tiny: Path, tmp_path: Path) -> None:
     package = write_package(tmp_path / "longest", LONGEST)
-    spec = TrainerSpec.from_dict(
-        {
-            "job_id": "ftjob-group",
-            "method": "reinforcement",
-            "base_model": str(tiny),
-            "training_file": str(tmp_path / "unused.jsonl"),
-            "output_dir": str(tmp_path / "out"),
-            "environment": {"package_dir": str(package), "config": {}},
-        }
-    )
+    rows = [{"messages": [{"role": "user", "content": "unused"}]}]
+    spec = read_spec(env_spec(tmp_path, tiny, package, rows))
     session = EnvironmentSession(spec)
     try:
         assert session.uses_group_reward  # describe says the class overrides group_reward

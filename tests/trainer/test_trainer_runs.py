@@ -264,7 +264,7 @@ def test_bad_input_is_a_clear_error(tiny: Path, tmp_path: Path, case: str, code:
             tmp_path, tiny, **{**rft, "grader": None, "environment": {"package_dir": "/x", "config": {}}}
         )
     elif case == "bad_hyperparameter":
-        spec = _bad(tmp_path, tiny, hyperparameters={"batch_size": "auto"})
+        spec = _bad(tmp_path, tiny, hyperparameters={"batch_size": 0})
     elif case == "missing_model":
         spec = make_spec(tmp_path, tmp_path / "nowhere", "supervised", SFT_ROWS)
     else:
