@@ -279,13 +279,20 @@ def resolve(method: str, given: BaseModel, data: DataSummary, model: ModelDefaul
                 raise ValueError(f"{name}: evaluation needs a validation_file")
     pick("batch_size", int(defaults.get("batch_size", max(1, min(8, data.rows // 4 or 1)))))
     if method == "reinforcement":
+        # GRPO steps take whole batches of prompts only: a batch must fit the tasks.
+        if given.model_dump()["batch_size"] == "auto":
+            values["batch_size"] = min(values["batch_size"], data.rows)
+        elif values["batch_size"] > data.rows:
+            raise ValueError(
+                f"batch_size: {values['batch_size']} prompts a step, but the file has {data.rows}"
+            )
         pick("compute_multiplier", 1.0)
         gens = round(int(defaults["num_generations"]) * values["compute_multiplier"])
         pick("num_generations", max(2, min(64, gens)))
         for name in ("max_completion_length", "temperature", "kl_beta"):
             pick(name, defaults[name])
         pick("reasoning_effort", "default")
-        per_epoch = math.ceil(data.rows / values["batch_size"])
+        per_epoch = data.rows // values["batch_size"]
         pick("n_epochs", max(1, min(50, math.ceil(int(defaults["min_steps"]) / per_epoch))))
     else:
         pick("n_epochs", int(defaults.get("n_epochs", max(1, min(10, math.ceil(64 / max(data.rows, 1)))))))
@@ -297,7 +304,7 @@ def resolve(method: str, given: BaseModel, data: DataSummary, model: ModelDefaul
         values["learning_rate_multiplier"] = values["learning_rate"] / base
     pick("learning_rate_multiplier", 1.0)
     pick("learning_rate", values["learning_rate_multiplier"] * base)
-    steps = total_steps(data.rows, values["batch_size"], values["n_epochs"], values["max_steps"])
+    steps = total_steps(method, data.rows, values["batch_size"], values["n_epochs"], values["max_steps"])
     pick("checkpoint_every", max(1, math.ceil(steps / 4)))
     pick("lora_r", int(defaults.get("lora_r", 8)))
     pick("lora_alpha", 2 * values["lora_r"])
@@ -311,9 +318,11 @@ def resolve(method: str, given: BaseModel, data: DataSummary, model: ModelDefaul
     return resolved
 
 
-def total_steps(rows: int, batch_size: int, n_epochs: int, max_steps: int | None) -> int:
-    """Optimiser steps of a run: whole batches per epoch times epochs, capped by ``max_steps``."""
-    steps = math.ceil(rows / batch_size) * n_epochs
+def total_steps(method: str, rows: int, batch_size: int, n_epochs: int, max_steps: int | None) -> int:
+    """Optimiser steps of a run: batches per epoch times epochs, capped by ``max_steps``. A supervised or
+    DPO epoch ends with a short batch; a GRPO epoch takes whole batches of prompts only."""
+    per_epoch = rows // batch_size if method == "reinforcement" else math.ceil(rows / batch_size)
+    steps = max(1, per_epoch) * n_epochs
     return min(steps, max_steps) if max_steps is not None else steps
 
 

@@ -108,7 +108,7 @@ async def create(
     )
     hp = spec.hyperparameters
     assert isinstance(hp, Hyperparameters)
-    steps = total_steps(summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
+    steps = total_steps(spec.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
     queued = await store.to_queued(res.pool, job_id=row["id"], method=_method_object(spec), total_steps=steps)
     if queued is None:  # cancelled while validating
         current = await store.get(res.pool, org_id=org, job_id=row["id"])
@@ -150,7 +150,7 @@ async def _validate(res: Resources, org: str, body: JobCreate) -> tuple[MethodSp
     check_metadata(body.metadata)
     spec = normalise_method(body.method, body.hyperparameters)
     # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
-    probe = DatasetSummary(1, 0)
+    probe = DatasetSummary(1_000_000, 0)
     resolve_hyperparameters(
         spec, probe, probe if body.validation_file else None, res.settings.base_model_path(body.model)
     )
@@ -291,26 +291,20 @@ async def _transition(res: Resources, who: Principal, job_id: str, action: str) 
 
 async def cancel(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await _transition(res, who, job_id, "cancel")
-    await store.add_event(
-        res.pool, job_id=job_id, org_id=who.organization_id, message="Job cancelled", dedup_key="cancelled"
-    )
+    await JobEvents(res.pool, job_id, who.organization_id).add("Job cancelled", "cancelled")
     return FineTuningJob.from_row(row)
 
 
 async def pause(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await _transition(res, who, job_id, "pause")
-    await store.add_event(res.pool, job_id=job_id, org_id=who.organization_id, message="Job paused")
+    await JobEvents(res.pool, job_id, who.organization_id).add("Job paused")
     return FineTuningJob.from_row(row)
 
 
 async def resume(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await _transition(res, who, job_id, "resume")
-    await store.add_event(
-        res.pool,
-        job_id=job_id,
-        org_id=who.organization_id,
-        message="Job resumed",
-        dedup_key=f"queued:{row['queue_generation']}",
+    await JobEvents(res.pool, job_id, who.organization_id).add(
+        "Job resumed", f"queued:{row['queue_generation']}"
     )
     await enqueue(res.queue, res.settings.queue_name, job_id, row["queue_generation"])
     return FineTuningJob.from_row(row)
