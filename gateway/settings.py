@@ -9,7 +9,7 @@ import json
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -22,6 +22,10 @@ class BaseModelConfig(BaseModel):
     """Base URLs (without `/v1`) of the inference engines that serve this model."""
     owned_by: str = "tunegate"
     """What `/v1/models` reports as the owner."""
+
+
+BASE_MODELS_FILE = "base_models.json"
+"""Base models registered in the data dir by `tunegate models add`: `{"name": {"path": "/folder"}}`."""
 
 
 def _default_base_models() -> dict[str, BaseModelConfig]:
@@ -163,6 +167,19 @@ class Settings(BaseSettings):
     `http://gw:8000/v1`. Unset: `http://<host>:<port>/v1`."""
     api_key: SecretStr | None = None
     """API key (`sk-tg-...`) the `tunegate` client commands use. Unset: `--api-key` must name one."""
+
+    @model_validator(mode="after")
+    def _registered_base_models(self) -> Settings:
+        """Add the base models registered in the data dir (`tunegate models add`) to those configured."""
+        try:
+            registered = json.loads((self.data_dir / BASE_MODELS_FILE).read_text())
+        except (OSError, ValueError):
+            return self
+        if isinstance(registered, dict):
+            for name, entry in registered.items():
+                if name not in self.base_models and isinstance(entry, dict) and entry.get("path"):
+                    self.base_models[name] = BaseModelConfig(path=Path(entry["path"]))
+        return self
 
     @cached_property
     def blob_dir(self) -> Path:

@@ -165,6 +165,25 @@ def make_tiny(directory: Path) -> None:
     typer.echo(str(make_tiny_model(directory)))
 
 
+@models_app.command("add")
+def models_add(
+    name: str,
+    source: Annotated[str, typer.Argument(help="A local model folder, or a Hugging Face hub id.")],
+    data_dir: Annotated[Path | None, typer.Option(help="Data dir of the stack.")] = None,
+) -> None:
+    """Register a Hugging Face causal LM as base model NAME, for fine-tuning and serving."""
+    from tunegate.models import ModelSourceError, add_model
+
+    settings = Settings(data_dir=data_dir) if data_dir is not None else Settings()
+    try:
+        folder = add_model(settings, name, source)
+    except ModelSourceError as exc:
+        typer.echo(f"cannot add {name}: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"{name} -> {folder}")
+    typer.echo("fine-tune it with model=" + repr(name) + "; restart a running `tunegate up` to serve it")
+
+
 BaseUrlOpt = Annotated[
     str | None, typer.Option("--base-url", help="Gateway URL (default: TUNEGATE_BASE_URL, else host:port).")
 ]
@@ -201,11 +220,11 @@ def quickstart(
     ),
     base_url: BaseUrlOpt = None,
     keep_running: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
-    steps: Annotated[int, typer.Option(help="GRPO steps of the quickstart job.")] = 40,
     engine_port: Annotated[int | None, typer.Option(help="Engine port of a stack started here.")] = None,
 ) -> None:
-    """Start the stack (unless one answers), train `tiny-chat` with RL on the example environment, chat
-    with the result and draw its reward curve."""
+    """Start the stack (unless one answers), train `tiny-chat` with RL on the example environment (default
+    hyperparameters), score base and fine-tuned on held-out problems and draw the reward curves."""
+    import openai
     from rich.console import Console
 
     from tunegate.client import api_base_url
@@ -220,10 +239,9 @@ def quickstart(
             console=console,
             base_url=api_base_url(settings, base_url),
             keep_running=keep_running,
-            steps=steps,
             engine_port=engine_port,
         )
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, openai.APIError) as exc:
         console.print(f"[red]quickstart failed:[/red] {exc}", highlight=False)
         raise typer.Exit(1) from exc
 
