@@ -172,8 +172,8 @@ async def _seed_usage(database: str, orgs: list[str]) -> None:
             job = "ftjob-" + secrets.token_hex(6)
             await conn.execute(
                 "INSERT INTO fine_tuning_jobs (id, organization_id, model, training_file, status, method,"
-                " hyperparameters, seed) VALUES ($1, $2, 'tiny-chat', 'file-x', 'succeeded',"
-                " '{\"type\": \"supervised\"}'::jsonb, '{}'::jsonb, 1)",
+                " seed) VALUES ($1, $2, 'tiny-chat', 'file-x', 'succeeded',"
+                ' \'{"type": "supervised"}\'::jsonb, 1)',
                 job,
                 org,
             )
