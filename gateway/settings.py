@@ -75,6 +75,8 @@ class Settings(BaseSettings):
     """Largest single line of a `fine-tune` JSONL upload."""
     max_environment_bytes: int = 64 * 1024 * 1024
     """Largest environment package archive."""
+    max_json_depth: int = Field(default=64, ge=2)
+    """Deepest nesting of arrays and objects in a request body or a JSONL line; deeper JSON is refused."""
     environment_max_entries: int = 2000
     """Most files and folders an environment package archive may hold."""
     environment_max_unpacked_bytes: int = 100 * 1024 * 1024
