@@ -22,6 +22,10 @@ class BaseModelConfig(BaseModel):
     """Base URLs (without `/v1`) of the inference engines that serve this model."""
     owned_by: str = "tunegate"
     """What `/v1/models` reports as the owner."""
+    context_length: int | None = Field(default=None, ge=1)
+    """Most tokens one request may ask the model to generate (`max_tokens`, `max_completion_tokens`); more
+    is refused with 400. Unset: the `max_position_embeddings` of the model's `config.json` where the gateway
+    can read it, else 1048576."""
 
 
 BASE_MODELS_FILE = "base_models.json"
