@@ -71,7 +71,8 @@ class Settings(BaseSettings):
     """Port of the embedded inference engine that `tunegate up` starts."""
 
     base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
-    """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`."""
+    """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`;
+    an entry may also set `owned_by` and `context_length` (most tokens a request may ask the model for)."""
 
     max_upload_bytes: int = 512 * 1024 * 1024
     """Largest file accepted by `POST /v1/files` (OpenAI's limit: 512 MB)."""
