@@ -123,6 +123,36 @@ def test_deep_nesting_is_refused_in_bodies_and_uploads(stack: GatewayServer, ten
         assert err.value.param == "file" and "Line 2" in err.value.message and problem in err.value.message
 
 
+def test_eval_run_files_are_held_to_the_same_json_rules(tenant: Tenant) -> None:
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+    criterion: Any = {
+        "type": "string_check",
+        "name": "exact",
+        "input": "{{ sample.output_text }}",
+        "reference": "{{ item.q }}",
+        "operation": "eq",
+    }
+    ev = tenant.client.evals.create(
+        data_source_config={"type": "custom", "item_schema": schema}, testing_criteria=[criterion]
+    )
+    for line, problem in ((b'{"item": ' * 100 + b"{}" + b"}" * 100, "nest"), (b'{"q": NaN}', "NaN")):
+        data = b'{"item": {"q": "a"}}\n' + line + b"\n"
+        file_id = tenant.client.files.create(file=("items.jsonl", data), purpose="evals").id
+        source = {"type": "file_id", "id": file_id}
+        with pytest.raises(openai.BadRequestError) as err:
+            tenant.client.evals.runs.create(
+                ev.id,
+                data_source={  # type: ignore[arg-type]
+                    "type": "completions",
+                    "model": "tiny-chat",
+                    "source": source,
+                    "input_messages": {"type": "template", "template": [{"role": "user", "content": "hi"}]},
+                },
+            )
+        assert err.value.param == "data_source.source.id" and "Line 2" in err.value.message
+        assert problem in err.value.message
+
+
 # ------------------------------------------------------------------------------------------- numbers
 def test_integers_beyond_64_bits_are_refused(stack: GatewayServer, tenant: Tenant, admin: Admin) -> None:
     with pytest.raises(openai.BadRequestError) as err:
