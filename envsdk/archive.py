@@ -4,7 +4,9 @@
   mtime/uid/gid/mode, gzip mtime 0; ``__pycache__``, ``*.pyc`` and dotfiles left out) and its sha256.
 * :func:`safe_extract` -- extracts an untrusted archive: caps on entries, total bytes and compression
   ratio, bytes counted while writing, and tarfile's ``data`` filter (no ``..``, no absolute paths, no
-  links pointing out, no devices).
+  links pointing out, no devices). Extension headers (GNU long names and links, pax headers) are capped
+  at ``MAX_EXTENDED_HEADER_BYTES`` before they are read, and at ``MAX_EXTENDED_HEADER_RUN`` in a row;
+  sparse members are refused.
 * :func:`inspect_package` -- what the gateway runs on upload: extract, validate the manifest, then start
   the package in the sandbox to check that its entrypoint imports and is an environment class. User
   code is never imported in the calling process. Blocking: call it from a worker thread.
@@ -33,6 +35,55 @@ DEFAULT_MAX_ENTRIES = 2000
 DEFAULT_MAX_TOTAL_BYTES = 100 * 1024 * 1024
 DEFAULT_MAX_RATIO = 200.0
 CHUNK = 1024 * 1024
+MAX_EXTENDED_HEADER_BYTES = 64 * 1024
+"""Largest GNU long-name / long-link or pax header: tarfile reads one whole into memory, so its declared
+size is checked first (a name longer than PATH_MAX has no place in a package anyway)."""
+MAX_EXTENDED_HEADER_RUN = 8
+"""Most extension headers in front of one member (tarfile handles each one by recursion)."""
+SHOWN_NAME_CHARS = 200
+"""Longest member name quoted in an error message."""
+_EXTENDED_TYPES = {
+    tarfile.GNUTYPE_LONGNAME: "GNU long-name",
+    tarfile.GNUTYPE_LONGLINK: "GNU long-link",
+    tarfile.XHDTYPE: "pax",
+    tarfile.XGLTYPE: "pax global",
+    tarfile.SOLARIS_XHDTYPE: "pax",
+}
+
+
+def _shown(name: str) -> str:
+    """A member name for an error message: quoted, and cut to `SHOWN_NAME_CHARS`."""
+    text = repr(name)
+    return text if len(text) <= SHOWN_NAME_CHARS else text[: SHOWN_NAME_CHARS - 4] + "...'"
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """tarfile's member header with the checks tarfile leaves out: an extension header's declared size
+    against `MAX_EXTENDED_HEADER_BYTES` before its bytes are read, runs of extension headers against
+    `MAX_EXTENDED_HEADER_RUN`, and no sparse members (tarfile's documented way to extend header handling
+    is a `TarInfo` subclass with its own `_proc_member`)."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        kind = _EXTENDED_TYPES.get(self.type)
+        if kind is None:
+            if self.type == tarfile.GNUTYPE_SPARSE:
+                raise PackageError("refused a sparse member: packages hold plain files", "special_file")
+            return super()._proc_member(tarfile_)  # type: ignore[misc]
+        if self.size > MAX_EXTENDED_HEADER_BYTES:
+            raise PackageError(
+                f"refused a {kind} header of {self.size} bytes (at most {MAX_EXTENDED_HEADER_BYTES})",
+                "header_too_large",
+            )
+        run = getattr(tarfile_, "_extended_header_run", 0) + 1
+        if run > MAX_EXTENDED_HEADER_RUN:
+            raise PackageError(
+                f"refused more than {MAX_EXTENDED_HEADER_RUN} extension headers in a row", "header_too_large"
+            )
+        tarfile_._extended_header_run = run  # type: ignore[attr-defined]
+        try:
+            return super()._proc_member(tarfile_)  # type: ignore[misc]
+        finally:
+            tarfile_._extended_header_run = run - 1  # type: ignore[attr-defined]
 
 
 def _skip(name: str) -> bool:
@@ -111,8 +162,8 @@ def safe_extract(
     written = 0
     entries = 0
     try:
-        tar = tarfile.open(archive, mode="r:*")
-    except (tarfile.TarError, OSError, EOFError) as exc:
+        tar = tarfile.open(archive, mode="r:*", tarinfo=_BoundedTarInfo)
+    except (tarfile.TarError, OSError, EOFError, RecursionError) as exc:
         raise PackageError(f"not a tar or tar.gz archive: {exc}", "bad_archive") from exc
     with tar:
         try:
@@ -124,15 +175,19 @@ def safe_extract(
                 try:
                     member = tarfile.data_filter(member, str(dest_real))
                 except tarfile.FilterError as exc:
-                    raise PackageError(f"refused entry {member.name!r}: {exc}", "unsafe_path") from exc
+                    raise PackageError(
+                        f"refused entry {_shown(member.name)}: {exc}"[:1000], "unsafe_path"
+                    ) from exc
                 if member.isfile():
                     if written + member.size > max_total_bytes:
                         raise PackageError(
-                            f"archive expands beyond {max_total_bytes} bytes ({member.name!r})", "too_large"
+                            f"archive expands beyond {max_total_bytes} bytes ({_shown(member.name)})",
+                            "too_large",
                         )
                     if written + member.size > budget:
+                        shown = _shown(member.name)
                         raise PackageError(
-                            f"archive expands more than {max_ratio:g} times its size ({member.name!r}): "
+                            f"archive expands more than {max_ratio:g} times its size ({shown}): "
                             "refusing a compression bomb",
                             "compression_ratio",
                         )
@@ -141,8 +196,8 @@ def safe_extract(
                     tar.extract(member, dest_real, filter="data")
         except PackageError:
             raise
-        except (tarfile.TarError, OSError, EOFError, zlib_error()) as exc:
-            raise PackageError(f"corrupt archive: {exc}", "bad_archive") from exc
+        except (tarfile.TarError, OSError, EOFError, RecursionError, zlib_error()) as exc:
+            raise PackageError(f"corrupt archive: {exc}"[:1000], "bad_archive") from exc
     logger.info("extracted %s: %d entries, %d bytes", archive, entries, written)
 
 
@@ -155,20 +210,21 @@ def zlib_error() -> type[Exception]:
 def _check_member(member: tarfile.TarInfo, dest: Path) -> None:
     """Refusals with precise messages (the data filter below is the second line of defence)."""
     name = member.name
+    shown = _shown(name)
     if name.startswith("/") or os.path.isabs(name):
-        raise PackageError(f"refused entry {name!r}: absolute path", "unsafe_path")
+        raise PackageError(f"refused entry {shown}: absolute path", "unsafe_path")
     if ".." in Path(name).parts:
-        raise PackageError(f"refused entry {name!r}: '..' in path", "unsafe_path")
+        raise PackageError(f"refused entry {shown}: '..' in path", "unsafe_path")
     if member.ischr() or member.isblk() or member.isfifo() or member.isdev():
-        raise PackageError(f"refused entry {name!r}: device or fifo", "special_file")
+        raise PackageError(f"refused entry {shown}: device or fifo", "special_file")
     if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
-        raise PackageError(f"refused entry {name!r}: unsupported entry type", "special_file")
+        raise PackageError(f"refused entry {shown}: unsupported entry type", "special_file")
     if member.issym() or member.islnk():
         base = dest / Path(name).parent if member.issym() else dest
         target = (base / member.linkname).resolve()
         if os.path.isabs(member.linkname) or not target.is_relative_to(dest):
             raise PackageError(
-                f"refused entry {name!r}: link to {member.linkname!r} points outside the package",
+                f"refused entry {shown}: link to {_shown(member.linkname)} points outside the package",
                 "unsafe_path",
             )
 
@@ -176,18 +232,20 @@ def _check_member(member: tarfile.TarInfo, dest: Path) -> None:
 def _write_member(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, budget: int) -> int:
     target = dest / member.name
     if not target.resolve().is_relative_to(dest):
-        raise PackageError(f"refused entry {member.name!r}: resolves outside the package", "unsafe_path")
+        raise PackageError(
+            f"refused entry {_shown(member.name)}: resolves outside the package", "unsafe_path"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     source = tar.extractfile(member)
     if source is None:
-        raise PackageError(f"cannot read entry {member.name!r}", "bad_archive")
+        raise PackageError(f"cannot read entry {_shown(member.name)}", "bad_archive")
     count = 0
     with source, open(target, "wb") as out:
         while chunk := source.read(CHUNK):
             count += len(chunk)
             if count > budget:
                 raise PackageError(
-                    f"archive expands beyond its limits ({member.name!r})", "compression_ratio"
+                    f"archive expands beyond its limits ({_shown(member.name)})", "compression_ratio"
                 )
             out.write(chunk)
     os.chmod(target, 0o755 if (member.mode or 0) & 0o100 else 0o644)

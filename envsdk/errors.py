@@ -23,7 +23,8 @@ class PackageError(EnvSDKError):
     """An environment package (archive or directory) is malformed or unsafe.
 
     Codes: ``bad_archive``, ``unsafe_path``, ``special_file``, ``too_many_entries``, ``too_large``,
-    ``compression_ratio``, ``missing_manifest``, ``invalid_manifest``, ``entrypoint_error``, ``symlink``.
+    ``compression_ratio``, ``header_too_large``, ``missing_manifest``, ``invalid_manifest``,
+    ``entrypoint_error``, ``symlink``.
     """
 
 

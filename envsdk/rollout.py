@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,6 +23,17 @@ logger = logging.getLogger(__name__)
 
 Policy = Callable[[list[Message], list[dict[str, Any]] | None], Message]
 """``generate(messages, tools_or_None) -> {"role": "assistant", "content": ..., "tool_calls"?: [...]}``."""
+
+
+def reward_of(value: Any) -> float:
+    """A reward an environment answered, as a float; `ValueError` unless it is a finite number (a package is
+    untrusted code: whatever it sends back is checked before it is used)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"the environment's reward must be a number, not {type(value).__name__}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"the environment's reward must be a finite number, not {reward}")
+    return reward
 
 
 class Runner(Protocol):
@@ -61,7 +73,10 @@ def run_episode(runner: Runner, task: dict[str, Any], policy: Policy, *, max_tur
         info = step.get("info") or {}
         if step.get("error"):
             return EpisodeResult(messages, None, turn, StopReason.ERROR, error=step["error"], info=info)
-        total += float(step.get("reward") or 0.0)
+        try:
+            total += reward_of(step.get("reward") or 0.0)
+        except ValueError as exc:
+            return EpisodeResult(messages, None, turn, StopReason.ERROR, error=str(exc), info=info)
         if step.get("done"):
             reason = StopReason.MAX_TURNS if info.get("stop_reason") == "max_turns" else StopReason.DONE
             return EpisodeResult(messages, total, turn, reason, info=info)
@@ -101,7 +116,11 @@ def run_single_turn(
         return EpisodeResult(messages, None, 1, reason, error=str(exc))
     if scored.get("error"):
         return EpisodeResult(messages, None, 1, StopReason.ERROR, error=scored["error"])
-    return EpisodeResult(messages, float(scored["reward"]), 1, StopReason.DONE)
+    try:
+        reward = reward_of(scored.get("reward"))
+    except ValueError as exc:
+        return EpisodeResult(messages, None, 1, StopReason.ERROR, error=str(exc))
+    return EpisodeResult(messages, reward, 1, StopReason.DONE)
 
 
 def openai_policy(client: Any, model: str, **create_kwargs: Any) -> Policy:

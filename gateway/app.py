@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.responses import ORJSONResponse
 from starlette.types import Receive, Scope, Send
 
@@ -36,6 +36,7 @@ from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
 from gateway.usage.metrics import UsageCollector
 from gateway.usage.router import router as usage_router
+from gateway.wire import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         lifespan=lifespan,
         default_response_class=ORJSONResponse,
+        dependencies=[Depends(check_request)],  # every parameter and JSON body, by one set of rules
     )
     install_error_handlers(app)
     for router in (

@@ -6,6 +6,7 @@ exception classes (400 BadRequestError, 401 AuthenticationError, 404 NotFoundErr
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any
 
@@ -15,6 +16,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 2000
+"""Longest `message` an error envelope carries; longer ones (an engine's answer, a package's traceback, a
+name an archive made up) are cut, so no input can make an error body large."""
+MAX_PARAM_CHARS = 200
+"""Longest `param` an error envelope carries (a field path built from client keys may be long)."""
+
+
+def _cut(text: str, most: int) -> str:
+    return text if len(text) <= most else text[: most - 1] + "\u2026"
 
 
 class APIError(Exception):
@@ -39,8 +50,10 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        """OpenAI's error envelope."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        """OpenAI's error envelope, its message and param cut to `MAX_MESSAGE_CHARS` and `MAX_PARAM_CHARS`."""
+        param = _cut(self.param, MAX_PARAM_CHARS) if self.param is not None else None
+        message = _cut(self.message, MAX_MESSAGE_CHARS)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
 
 
 class InvalidRequest(APIError):
@@ -128,12 +141,33 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return out
 
 
+_VALUE_ERRNOS = frozenset({errno.EOVERFLOW, errno.ERANGE, errno.EDOM})
+"""`OSError`s that report a value out of range (a timestamp beyond the platform's, say), not a service."""
+
+
+def _lost_connection(exc: OSError) -> bool:
+    """Whether an `OSError` means a backing service could not be reached (asyncpg reports a refused
+    reconnect as an `OSError`, a bare `OSError("Multiple exceptions: ...")`, or a missing Unix socket),
+    rather than a value out of range, which is no reason to tell a client to retry."""
+    return exc.errno not in _VALUE_ERRNOS
+
+
 def map_infrastructure_error(exc: BaseException) -> APIError | None:
-    """A lost database or queue connection as a 503 the client may retry; None for anything else."""
+    """A lost database or queue connection as a 503 the client may retry; a value the database refused
+    (a data exception: NUL in text, a number out of a column's range) as a 400; None for anything else.
+
+    Requests are checked before they reach the database (`gateway.wire`, the protocol models), with the
+    field named; the 400 here is the net under those checks.
+    """
     import asyncpg
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    if isinstance(exc, asyncpg.DataError):
+        return InvalidRequest(
+            "A value in the request is out of range, or holds characters the database cannot store.",
+            code="invalid_value",
+        )
     if isinstance(
         exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError | asyncpg.CannotConnectNowError
     ):
@@ -142,7 +176,7 @@ def map_infrastructure_error(exc: BaseException) -> APIError | None:
             code="database_unavailable",
             headers={"retry-after": "1"},
         )
-    if isinstance(exc, OSError | TimeoutError):  # asyncpg reports a refused (re)connect as an OSError
+    if isinstance(exc, OSError) and _lost_connection(exc):
         return ServiceUnavailable(
             "A backing service is unavailable; retry shortly.",
             code="service_unavailable",

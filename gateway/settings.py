@@ -22,6 +22,10 @@ class BaseModelConfig(BaseModel):
     """Base URLs (without `/v1`) of the inference engines that serve this model."""
     owned_by: str = "tunegate"
     """What `/v1/models` reports as the owner."""
+    context_length: int | None = Field(default=None, ge=1)
+    """Most tokens one request may ask the model to generate (`max_tokens`, `max_completion_tokens`); more
+    is refused with 400. Unset: the `max_position_embeddings` of the model's `config.json` where the gateway
+    can read it, else 1048576."""
 
 
 BASE_MODELS_FILE = "base_models.json"
@@ -67,7 +71,8 @@ class Settings(BaseSettings):
     """Port of the embedded inference engine that `tunegate up` starts."""
 
     base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
-    """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`."""
+    """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`;
+    an entry may also set `owned_by` and `context_length` (most tokens a request may ask the model for)."""
 
     max_upload_bytes: int = 512 * 1024 * 1024
     """Largest file accepted by `POST /v1/files` (OpenAI's limit: 512 MB)."""
@@ -75,6 +80,8 @@ class Settings(BaseSettings):
     """Largest single line of a `fine-tune` JSONL upload."""
     max_environment_bytes: int = 64 * 1024 * 1024
     """Largest environment package archive."""
+    max_json_depth: int = Field(default=64, ge=2)
+    """Deepest nesting of arrays and objects in a request body or a JSONL line; deeper JSON is refused."""
     environment_max_entries: int = 2000
     """Most files and folders an environment package archive may hold."""
     environment_max_unpacked_bytes: int = 100 * 1024 * 1024

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 
 from gateway.billing import outbox
 from gateway.deps import AdminDep, ResourcesDep
+from gateway.errors import InvalidRequest
 from gateway.timeutil import ts
 
 router = APIRouter(prefix="/v1/admin/billing", dependencies=[AdminDep], tags=["admin"])
@@ -42,8 +43,13 @@ async def list_outbox(
     limit: int = Query(default=100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Outbox rows, newest first; `status` is `pending` or `sent`; page with `after=<last id>`."""
+    before = None
+    if after:
+        before = int(after) if after.isascii() and after.isdigit() and len(after) <= 18 else None
+        if before is None:
+            raise InvalidRequest("after must be an outbox row's id.", param="after", code="invalid_value")
     rows = await outbox.list_outbox(
-        res.pool, org_id=organization_id, status=status, before=int(after) if after else None, limit=limit + 1
+        res.pool, org_id=organization_id, status=status, before=before, limit=limit + 1
     )
     data = [_row(r) for r in rows[:limit]]
     return {

@@ -8,13 +8,13 @@ Every refusal is an `InvalidRequest` whose `param` names the field, in OpenAI's 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from envsdk.graders import render_template
+from gateway import wire
 from gateway.errors import InvalidRequest
 from gateway.files.validation import iter_lines
 from gateway.jobs.validation import check_grader
@@ -314,14 +314,18 @@ def rows_of_content(content: list[Any]) -> list[Row]:
     return rows
 
 
-def rows_of_file(path: Path, *, max_line_bytes: int) -> list[Row]:
+def rows_of_file(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH) -> list[Row]:
     """The rows of a JSONL file (blocking: run in a thread). A line is `{"item": {...}, "sample"?: {...}}`
     as OpenAI writes them, or a bare item (a fine-tuning file's rows can be evaluated as they are). An
-    `evals` upload is not checked on upload: a line that is not a JSON object is a 400 naming it."""
+    `evals` upload is not checked on upload: a line that is not a JSON object, or breaks the gateway's JSON
+    rules (`gateway.wire`), is a 400 naming it."""
     rows = []
     for lineno, raw in iter_lines(path, max_line_bytes=max_line_bytes):
         try:
-            value = json.loads(raw)
+            value = wire.loads(raw, max_depth=max_depth)
+        except InvalidRequest as exc:
+            message = f"Line {lineno} of the file: {exc.message}"
+            raise InvalidRequest(message, param="data_source.source.id", code="invalid_file") from None
         except ValueError as exc:  # not JSON, or not UTF-8
             value, reason = None, f"not valid JSON ({exc})"
         else:

@@ -119,8 +119,10 @@ async def _rows(res: Resources, who: Principal, run: RunSource) -> list[Row]:
             code="invalid_file_purpose",
         )
     path = res.blobs.path(file["blob_key"])
-    max_line = res.settings.max_jsonl_line_bytes
-    return await anyio.to_thread.run_sync(lambda: rows_of_file(path, max_line_bytes=max_line))
+    max_line, max_depth = res.settings.max_jsonl_line_bytes, res.settings.max_json_depth
+    return await anyio.to_thread.run_sync(
+        lambda: rows_of_file(path, max_line_bytes=max_line, max_depth=max_depth)
+    )
 
 
 async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCreate) -> EvalRun:

@@ -19,6 +19,7 @@ from gateway.files.validation import check_jsonl
 from gateway.ids import new_id
 from gateway.protocol import CursorPage
 from gateway.settings import Settings
+from gateway.wire import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ def _expires_at(fields: dict[str, str]) -> datetime | None:
 def _check_content(path: Path, purpose: str, filename: str, settings: Settings) -> int | None:
     """Purpose-specific checks, run in a thread. Returns the row count of JSONL files."""
     if purpose == "fine-tune":
-        return check_jsonl(path, max_line_bytes=settings.max_jsonl_line_bytes)
+        return check_jsonl(
+            path, max_line_bytes=settings.max_jsonl_line_bytes, max_depth=settings.max_json_depth
+        )
     if purpose == "environment":
         if path.stat().st_size > settings.max_environment_bytes:
             raise PayloadTooLarge(
@@ -109,9 +112,15 @@ async def upload(
 ) -> FileObject:
     """Receive, check and store an upload. A refused upload leaves no row and no blob behind."""
     limit = settings.max_upload_bytes
+    if content_length is not None and content_length > limit + _MULTIPART_OVERHEAD:
+        # Refused before a byte of the body is read: the declared length alone is over the cap.
+        raise PayloadTooLarge(
+            f"The upload is {content_length} bytes; files are limited to {limit} bytes.",
+            param="file",
+            code="file_too_large",
+        )
     temp = blobs.new_temp()
-    too_long = content_length is not None and content_length > limit + _MULTIPART_OVERHEAD
-    received = await receive_upload(content_type, body, temp_path=temp, max_bytes=-1 if too_long else limit)
+    received = await receive_upload(content_type, body, temp_path=temp, max_bytes=limit)
     try:
         purpose = received.fields.get("purpose")
         if not purpose:
@@ -121,6 +130,7 @@ async def upload(
                 f"Invalid purpose '{purpose}'; expected one of {', '.join(PURPOSES)}.", param="purpose"
             )
         filename = Path(received.filename or "upload").name or "upload"
+        check_text(filename, "file")
         expires_at = _expires_at(received.fields)
         if purpose == "fine-tune" and not filename.endswith(".jsonl"):
             raise InvalidRequest(

@@ -1,7 +1,9 @@
 """Content checks of uploads, run in a worker thread on the temporary file.
 
-A `fine-tune` file must be UTF-8 JSONL: one JSON object per line, each line within a byte cap. The error
-names the first bad line. Rows are checked against a method's schema later, when a job uses the file.
+A `fine-tune` file must be UTF-8 JSONL: one JSON object per line, each line within a byte cap and held to
+the gateway's JSON rules (`gateway.wire`: no NaN or Infinity, no NUL or unpaired surrogates, 64-bit
+integers, bounded nesting). The error names the first bad line. Rows are checked against a method's schema
+later, when a job uses the file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from gateway import wire
 from gateway.errors import InvalidRequest
 
 _CHUNK = 1024 * 1024
@@ -56,7 +59,7 @@ def iter_lines(path: Path, *, max_line_bytes: int) -> Iterator[tuple[int, bytes]
         yield lineno + 1, bytes(buf)
 
 
-def check_jsonl(path: Path, *, max_line_bytes: int) -> int:
+def check_jsonl(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH) -> int:
     """Check a JSONL upload; returns the number of rows. Raises 400 naming the first bad line."""
     decoder_factory = codecs.getincrementaldecoder("utf-8")
     rows = 0
@@ -70,13 +73,17 @@ def check_jsonl(path: Path, *, max_line_bytes: int) -> int:
                 code="invalid_file_format",
             ) from exc
         try:
-            value = json.loads(text)
+            value = wire.loads(text, max_depth=max_depth)
         except json.JSONDecodeError as exc:
             raise InvalidRequest(
                 f"Line {lineno} is not valid JSON: {exc.msg} (column {exc.colno}).",
                 param="file",
                 code="invalid_file_format",
             ) from exc
+        except InvalidRequest as exc:
+            raise InvalidRequest(
+                f"Line {lineno}: {exc.message}", param="file", code="invalid_file_format"
+            ) from None
         if not isinstance(value, dict):
             raise InvalidRequest(
                 f"Line {lineno} must be a JSON object, not {type(value).__name__}.",

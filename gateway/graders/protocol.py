@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from gateway.protocol import OpenAIBaseModel
 
@@ -50,6 +50,20 @@ class EnvironmentRunRequest(OpenAIBaseModel):
     """Instead of `completion`: a base model the gateway serves, which plays the whole episode."""
     max_turns: int | None = Field(default=None, ge=1, le=64)
     """Turn cap of a played episode (the package's own cap applies too)."""
+
+    @field_validator("task")
+    @classmethod
+    def _task_is_a_row(cls, task: dict[str, Any]) -> dict[str, Any]:
+        """A task is an OpenAI RFT row: `messages` (chat messages, each with a string `role`) or `prompt`."""
+        messages = task.get("messages")
+        if messages is None and isinstance(task.get("prompt"), str):
+            return task
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("a task needs 'messages' (a non-empty list of messages) or 'prompt' (a string)")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ValueError(f"messages[{i}] must be a chat message: an object with a string 'role'")
+        return task
 
 
 class EnvironmentRunResponse(OpenAIBaseModel):

@@ -20,7 +20,7 @@ import anyio
 
 from envsdk.graders import GraderError, grade, make_sample, parse_tool_calls, validate_grader
 from gateway.deps import Resources
-from gateway.errors import InvalidRequest, not_found
+from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
@@ -103,6 +103,7 @@ def _assistant(completion: str) -> dict[str, Any]:
 def _first_turn(sandbox: Any, task: dict[str, Any], completion: str) -> EnvironmentRunResponse:
     """Multi-turn with a literal completion: `reset`, then one `step` answering it."""
     from envsdk.errors import SandboxError
+    from envsdk.rollout import reward_of
 
     try:
         opened = sandbox.reset(task)
@@ -114,7 +115,7 @@ def _first_turn(sandbox: Any, task: dict[str, Any], completion: str) -> Environm
     if not step.get("done"):
         sandbox.call("close_episode", {"episode_id": opened["episode_id"]})
     return EnvironmentRunResponse(
-        reward=None if step.get("error") else float(step.get("reward") or 0.0),
+        reward=None if step.get("error") else reward_of(step.get("reward") or 0.0),
         info=step.get("info") or {},
         messages=messages,
         error=step.get("error"),
@@ -180,6 +181,20 @@ def _run_environment_sync(
     )
 
 
+def _run_environment_checked(
+    settings: Settings, archive: Path, body: EnvironmentRunRequest, upstream: str | None
+) -> EnvironmentRunResponse:
+    """`_run_environment_sync`, with a malformed answer from the package (untrusted code: a reward that is
+    not a number, an episode without an id, messages that are not messages) as an error result of the run,
+    never a failure of the request."""
+    try:
+        return _run_environment_sync(settings, archive, body, upstream)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        logger.info("environment %s answered with something malformed", body.file_id, exc_info=True)
+        error = f"protocol_error: the environment's answer is malformed ({type(exc).__name__}: {exc})"
+        return EnvironmentRunResponse(reward=None, error=error[:MAX_MESSAGE_CHARS], stop_reason="error")
+
+
 async def run_environment(res: Resources, org_id: str, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
     """Score `completion` (or let `model` play) with the caller's environment package."""
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
@@ -201,5 +216,5 @@ async def run_environment(res: Resources, org_id: str, body: EnvironmentRunReque
                 f"Model '{body.model}' is not a base model served by this gateway.", param="model"
             )
     archive = res.blobs.path(row["blob_key"])
-    run = functools.partial(_run_environment_sync, res.settings, archive, body, upstream)
+    run = functools.partial(_run_environment_checked, res.settings, archive, body, upstream)
     return await anyio.to_thread.run_sync(run)

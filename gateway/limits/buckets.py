@@ -164,8 +164,15 @@ class TakeResult:
     """The lease each bucket lent besides the cost (0: none)."""
 
 
+MAX_MICRO = 2**53
+"""Most micro-USD any amount is counted as: the largest integer Redis' Lua numbers (doubles) hold exactly."""
+
+
 def to_micro(usd: float) -> int:
-    """USD as whole micro-USD, rounded up (a reservation never underestimates)."""
+    """USD as whole micro-USD, rounded up (a reservation never underestimates), at most `MAX_MICRO` (a
+    budget stored before budgets were capped, even an infinite one, never makes a request fail)."""
+    if not usd * 1_000_000 < MAX_MICRO:  # also NaN and infinity
+        return MAX_MICRO
     return int(-(-usd * 1_000_000 // 1))
 
 

@@ -9,13 +9,18 @@ from pydantic import Field
 
 from gateway.protocol import OpenAIBaseModel
 
+MAX_PER_MINUTE = 2**31 - 1
+"""Largest per-minute limit (the columns are PostgreSQL `integer`s)."""
+MAX_BUDGET_USD = 1e9
+"""Largest monthly budget in USD: 1e15 micro-USD, still exact in Redis' Lua numbers (doubles)."""
+
 
 class LimitsUpdate(OpenAIBaseModel):
     """`POST .../limits`: per-minute limits. Null or absent: unlimited for an organisation; for an API key,
     the defaults `default_requests_per_minute` / `default_tokens_per_minute`."""
 
-    max_requests_per_1_minute: int | None = Field(default=None, ge=1)
-    max_tokens_per_1_minute: int | None = Field(default=None, ge=1)
+    max_requests_per_1_minute: int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
+    max_tokens_per_1_minute: int | None = Field(default=None, ge=1, le=MAX_PER_MINUTE)
 
 
 class Limits(OpenAIBaseModel):
@@ -38,7 +43,7 @@ class Limits(OpenAIBaseModel):
 class BillingUpdate(OpenAIBaseModel):
     """`POST .../billing`: only the fields present change; null clears one."""
 
-    monthly_budget_usd: float | None = Field(default=None, ge=0)
+    monthly_budget_usd: float | None = Field(default=None, ge=0, le=MAX_BUDGET_USD, allow_inf_nan=False)
     stripe_customer_id: str | None = Field(default=None, max_length=255)
 
 

@@ -3,6 +3,12 @@
 Bodies are forwarded as received: the gateway parses them once with orjson to learn the model and whether
 to stream, rewrites `model` to the engine's name and passes everything else through untouched, so every
 OpenAI parameter the engine supports (tools, logprobs, n, stop, seed, ...) works without a schema here.
+
+A few top-level fields the gateway itself relies on are checked on the way (a handful of dictionary lookups):
+`model` (a string without NUL), and the integers `max_tokens` / `max_completion_tokens` (also against the
+model's context, once the model is known: `check_max_tokens`), `n` and `seed`. A body orjson refuses is
+handed to `gateway.wire.diagnose`, which names the field at fault (NaN, Infinity, huge numbers, unpaired
+surrogates, deep nesting), so that costs nothing while bodies are well formed.
 """
 
 from __future__ import annotations
@@ -14,10 +20,27 @@ from typing import Any
 import orjson
 
 from gateway.errors import APIError, InvalidRequest, UpstreamError
+from gateway.wire import INT64_MAX, INT64_MIN, diagnose
 
 logger = logging.getLogger(__name__)
 
 DONE_LINE = b"data: [DONE]"
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's limit)."""
+
+
+def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    """`body[name]` when absent or null (None) or an integer in `[low, high]`; else a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidRequest(
+            f"Invalid value for '{name}': expected an integer from {low} to {high}.",
+            param=name,
+            code="invalid_value",
+        )
+    return value
 
 
 @dataclass(slots=True)
@@ -32,6 +55,8 @@ class ProxyRequest:
     """Whether the client asked for server-sent events."""
     client_wants_usage: bool
     """Whether the client asked for the usage chunk (`stream_options.include_usage`)."""
+    max_tokens: int | None = None
+    """`max_completion_tokens`, else `max_tokens`, when the client named one."""
 
     @classmethod
     def parse(cls, raw: bytes) -> ProxyRequest:
@@ -39,16 +64,48 @@ class ProxyRequest:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
+            named = diagnose(raw)
+            if named is not None:
+                raise named from None
             raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
         if not isinstance(body, dict):
             raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_model")
+        if "\x00" in model:
+            raise InvalidRequest(
+                "Invalid value for 'model': must not contain NUL characters.",
+                param="model",
+                code="invalid_value",
+            )
+        most = _integer(body, "max_completion_tokens", 1, INT64_MAX)
+        fallback = _integer(body, "max_tokens", 1, INT64_MAX)
+        _integer(body, "n", 1, MAX_N)
+        _integer(body, "seed", INT64_MIN, INT64_MAX)
         stream = bool(body.get("stream") or False)
         options = body.get("stream_options")
         wants_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-        return cls(body=body, model=model, stream=stream, client_wants_usage=wants_usage)
+        return cls(
+            body=body,
+            model=model,
+            stream=stream,
+            client_wants_usage=wants_usage,
+            max_tokens=most if most is not None else fallback,
+        )
+
+    def check_max_tokens(self, context_length: int) -> None:
+        """A 400 when the request asks for more tokens than the model's context holds (`max_tokens` of 1e9
+        is refused here, not clamped: the client learns the limit instead of a silently shorter answer)."""
+        if self.max_tokens is not None and self.max_tokens > context_length:
+            named = self.body.get("max_completion_tokens") is not None
+            param = "max_completion_tokens" if named else "max_tokens"
+            raise InvalidRequest(
+                f"Invalid value for '{param}': {self.max_tokens} is more than the {context_length} tokens "
+                f"of model '{self.model}'.",
+                param=param,
+                code="invalid_value",
+            )
 
     def upstream_body(self, engine_model: str) -> bytes:
         """The body for the engine: `model` rewritten; streams always ask for usage (for metering)."""

@@ -99,6 +99,7 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         proxy = ProxyRequest.parse(body)
         target = await service.resolve(state, res.pool, who, proxy.model)
+        proxy.check_max_tokens(state.context_length(target.base_model))
         if proxy.stream:
             await service.stream(state, tracked_send, who, scope["path"], proxy, target)
         else:

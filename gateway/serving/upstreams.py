@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections import deque
@@ -37,6 +38,23 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 2.0
 DOWN_FOR_S = 5.0
+DEFAULT_CONTEXT_LENGTH = 1_048_576
+"""Context length of a base model with no `context_length` setting whose `config.json` the gateway cannot
+read (the engines live elsewhere): generous, so only absurd `max_tokens` values are refused for it."""
+
+
+def read_context_length(settings: Settings, base_model: str) -> int:
+    """The context length of a base model: its `context_length` setting, else the `max_position_embeddings`
+    of its `config.json`, else `DEFAULT_CONTEXT_LENGTH`."""
+    entry = settings.base_models[base_model]
+    if entry.context_length is not None:
+        return entry.context_length
+    try:
+        config = json.loads((settings.base_model_path(base_model) / "config.json").read_text())
+        value = config.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    return value if type(value) is int and value > 0 else DEFAULT_CONTEXT_LENGTH
 
 
 def make_client() -> httpx.AsyncClient:
@@ -398,6 +416,14 @@ class ServingState:
         self.load_count = 0
         """Adapter loads actually sent to engines (single-flight makes concurrent misses one load)."""
         self._loads: SingleFlight[tuple[str, str], None] = SingleFlight()
+        self._context: dict[str, int] = {}
+
+    def context_length(self, base_model: str) -> int:
+        """Most tokens a request to `base_model` may ask for (`read_context_length`, read once)."""
+        known = self._context.get(base_model)
+        if known is None:
+            known = self._context[base_model] = read_context_length(self.settings, base_model)
+        return known
 
     async def aclose(self) -> None:
         await self.usage.aclose()

@@ -25,29 +25,47 @@ DEFAULT_LIMIT = {"1m": 60, "1h": 24, "1d": 7}
 MAX_LIMIT = {"1m": 1440, "1h": 168, "1d": 31}
 
 
+MAX_TIMESTAMP = 253_402_300_799
+"""The last second of year 9999 (UTC): the latest `start_time`, `end_time` or `page` accepted."""
+
+
+def _timestamp(value: int, param: str) -> datetime:
+    if not 0 <= value <= MAX_TIMESTAMP:
+        raise InvalidRequest(
+            f"{param} must be a Unix time in seconds between 0 and {MAX_TIMESTAMP}.",
+            param=param,
+            code="invalid_value",
+        )
+    return datetime.fromtimestamp(value, UTC)
+
+
 def _window(
     start_time: int, end_time: int | None, bucket_width: str, limit: int | None, page: str | None
 ) -> tuple[timedelta, datetime, datetime, datetime, int, bool]:
-    """(width, first bucket, end of this page, end of the range, buckets on this page, has_more)."""
+    """(width, first bucket, end of this page, end of the range, buckets on this page, has_more).
+
+    Times are checked against `MAX_TIMESTAMP` before any date arithmetic, and the page's end is computed in
+    whole seconds, so no value of a parameter can overflow a date.
+    """
     if bucket_width not in WIDTHS:
         raise InvalidRequest("bucket_width must be one of 1m, 1h, 1d.", param="bucket_width")
     width = WIDTHS[bucket_width]
     n = limit or DEFAULT_LIMIT[bucket_width]
     if not 1 <= n <= MAX_LIMIT[bucket_width]:
         raise InvalidRequest(f"limit must be between 1 and {MAX_LIMIT[bucket_width]}.", param="limit")
-    start = datetime.fromtimestamp(start_time, UTC)
-    end = datetime.fromtimestamp(end_time, UTC) if end_time else datetime.now(UTC)
+    start = _timestamp(start_time, "start_time")
+    end = _timestamp(end_time, "end_time") if end_time else datetime.now(UTC)
     if end <= start:
         raise InvalidRequest("end_time must be after start_time.", param="end_time")
     first = start
     if page:
-        try:
-            first = datetime.fromtimestamp(int(page), UTC)
-        except ValueError:
-            raise InvalidRequest("Invalid page cursor.", param="page") from None
-        if first < start or (first - start) % width:
-            raise InvalidRequest("Invalid page cursor.", param="page")
-    page_end = min(end, first + n * width)
+        cursor = int(page) if page.isascii() and page.isdigit() else -1
+        if not start_time <= cursor <= MAX_TIMESTAMP or (cursor - start_time) % int(width.total_seconds()):
+            raise InvalidRequest("Invalid page cursor.", param="page", code="invalid_value")
+        first = datetime.fromtimestamp(cursor, UTC)
+    seconds = int(width.total_seconds())
+    page_end_ts = min(int(end.timestamp()), int(first.timestamp()) + n * seconds)
+    page_end = end if page_end_ts >= int(end.timestamp()) else datetime.fromtimestamp(page_end_ts, UTC)
     return width, first, page_end, end, n, page_end < end
 
 
@@ -62,17 +80,10 @@ def _page(data: list[dict[str, Any]], page_end: datetime, has_more: bool) -> dic
 
 def _buckets(first: datetime, page_end: datetime, width: timedelta) -> list[dict[str, Any]]:
     out = []
-    t = first
-    while t < page_end:
-        out.append(
-            {
-                "object": "bucket",
-                "start_time": int(t.timestamp()),
-                "end_time": int(min(t + width, page_end).timestamp()),
-                "results": [],
-            }
-        )
-        t += width
+    t, end, step = int(first.timestamp()), page_end.timestamp(), int(width.total_seconds())
+    while t < end:
+        out.append({"object": "bucket", "start_time": t, "end_time": int(min(t + step, end)), "results": []})
+        t += step
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -134,6 +135,54 @@ def test_compression_bomb_is_refused(tmp_path):
         safe_extract(many, tmp_path / "out3", max_entries=10)
     assert info.value.code == "too_many_entries"
     assert sum(p.stat().st_size for p in (tmp_path / "out").rglob("*") if p.is_file()) <= 30 * 2**20
+
+
+def _header_bomb(path: Path, kind: bytes, declared: int) -> Path:
+    """An extension header (GNU long name or link, pax) that declares `declared` bytes, then 16 MiB of
+    them (gzip makes those almost nothing): tarfile reads an extension header whole, as one string."""
+    info = tarfile.TarInfo("././@LongLink")
+    info.type = kind
+    info.size = declared
+    with gzip.open(path, "wb") as gz:
+        gz.write(info.tobuf(format=tarfile.GNU_FORMAT))
+        gz.write(b"a" * (16 * 2**20))
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind", [tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE]
+)
+def test_extension_header_bombs_are_refused_before_they_are_read(tmp_path, kind):
+    bomb = _header_bomb(tmp_path / "bomb.tar.gz", kind, declared=2**33)
+    assert bomb.stat().st_size < 100_000
+    with pytest.raises(PackageError) as info:
+        safe_extract(bomb, tmp_path / "out")
+    assert info.value.code == "header_too_large" and len(info.value.message) < 200
+
+
+def test_runs_of_extension_headers_sparse_members_and_long_names_are_refused(tmp_path):
+    raw = io.BytesIO()
+    for i in range(20):  # tarfile handles each extension header by recursion
+        name = f"n{i}".encode().ljust(100, b"x") + b"\0"
+        info = tarfile.TarInfo("././@LongLink")
+        info.type, info.size = tarfile.GNUTYPE_LONGNAME, len(name)
+        raw.write(info.tobuf(format=tarfile.GNU_FORMAT) + name.ljust(512, b"\0"))
+    raw.write(tarfile.TarInfo("last").tobuf(format=tarfile.GNU_FORMAT))
+    chain = tmp_path / "chain.tar.gz"
+    chain.write_bytes(gzip.compress(raw.getvalue() + bytes(1024)))
+    with pytest.raises(PackageError) as info:
+        safe_extract(chain, tmp_path / "out")
+    assert info.value.code == "header_too_large"
+    sparse = tarfile.TarInfo("holes.bin")
+    sparse.type = tarfile.GNUTYPE_SPARSE
+    with pytest.raises(PackageError) as info:
+        safe_extract(_tar(tmp_path / "sparse.tar.gz", [(sparse, None)]), tmp_path / "out2")
+    assert info.value.code == "special_file"
+    # A name within the header cap but absurd for a path: refused, and quoted short in the message.
+    long = tarfile.TarInfo("/" + "a" * 60_000)
+    with pytest.raises(PackageError) as info:
+        safe_extract(_tar(tmp_path / "long.tar.gz", [(long, b"x")], "w:gz"), tmp_path / "out3")
+    assert info.value.code == "unsafe_path" and len(info.value.message) < 300
 
 
 def test_not_an_archive_and_missing_manifest(tmp_path):
