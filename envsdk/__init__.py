@@ -6,7 +6,7 @@ The authoring API (stdlib only, importable inside the sandbox)::
 
 The host side (pydantic; imported lazily so that ``import envsdk`` stays light)::
 
-    from envsdk import Sandbox, Limits, Manifest, inspect_package, safe_extract, pack
+    from envsdk import Sandbox, Limits, Maxima, Manifest, inspect_package, safe_extract, pack
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from envsdk.types import EpisodeResult, Message, RewardResult, StepResult, StopR
 
 if TYPE_CHECKING:
     from envsdk.archive import inspect_package, pack, safe_extract
-    from envsdk.manifest import Limits, Manifest, load_manifest
+    from envsdk.manifest import Limits, Manifest, Maxima, load_manifest
     from envsdk.rollout import run_episode, run_single_turn
     from envsdk.sandbox import Sandbox, detect_backend
 
@@ -30,6 +30,7 @@ _LAZY = {
     "detect_backend": "envsdk.sandbox",
     "Limits": "envsdk.manifest",
     "Manifest": "envsdk.manifest",
+    "Maxima": "envsdk.manifest",
     "load_manifest": "envsdk.manifest",
     "inspect_package": "envsdk.archive",
     "safe_extract": "envsdk.archive",
@@ -46,6 +47,7 @@ __all__ = [
     "InProcessRunner",
     "Limits",
     "Manifest",
+    "Maxima",
     "Message",
     "MultiTurnEnv",
     "PackageError",

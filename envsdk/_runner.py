@@ -46,7 +46,8 @@ def _drop_privileges(uid: int, gid: int) -> None:
 
 
 def _set_rlimits(spec: str) -> None:
-    """``as=N,cpu=N,nofile=N,nproc=N,fsize=N,core=N`` -> setrlimit (CPU: hard limit one second later)."""
+    """``as=N,cpu=N,nofile=N,nproc=N,fsize=N,core=N`` -> setrlimit (CPU: hard limit one second later),
+    each at most the hard limit the process already has."""
     import resource
 
     names = {
@@ -59,8 +60,11 @@ def _set_rlimits(spec: str) -> None:
     }
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        soft = int(value)
+        ceiling = resource.getrlimit(names[key])[1]  # an unprivileged process cannot go above its hard limit
+        soft = int(value) if ceiling == resource.RLIM_INFINITY else min(int(value), ceiling)
         hard = soft + 1 if key == "cpu" else soft
+        if ceiling != resource.RLIM_INFINITY:
+            hard = min(hard, ceiling)
         resource.setrlimit(names[key], (soft, hard))
 
 

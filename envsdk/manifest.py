@@ -12,13 +12,18 @@
     memory_mb = 1024    # address space (RLIMIT_AS)
     cpu_s = 120         # CPU seconds for the sandbox's life (RLIMIT_CPU)
     max_turns = 8       # multi-turn episodes
+
+The operator's :class:`Maxima` cap every limit: a sandbox runs under the smaller of the package's and the
+operator's value.
 """
 
 from __future__ import annotations
 
 import logging
 import tomllib
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -50,11 +55,74 @@ class Limits(BaseModel):
     """Open file descriptors (RLIMIT_NOFILE)."""
     fsize_mb: int = Field(64, ge=1, le=65536)
     """Largest file the sandbox may write (RLIMIT_FSIZE), in MiB."""
+    disk_mb: int = Field(256, ge=1, le=65536)
+    """Bytes the sandbox may hold in its scratch (``/scratch``, also ``/tmp`` and ``HOME``) in all, in MiB:
+    the scratch is a tmpfs of this size (memory, counted apart from ``memory_mb``)."""
 
-    def capped(self, ceiling: Limits) -> Limits:
-        """These limits, each lowered to at most ``ceiling``'s (an operator's maxima)."""
-        values = {name: min(getattr(self, name), getattr(ceiling, name)) for name in type(self).model_fields}
+    def capped(self, ceiling: Limits | Maxima) -> Limits:
+        """These limits, each lowered to at most ``ceiling``'s (the operator's :class:`Maxima`, or other
+        limits); a limit ``ceiling`` does not name stays as it is."""
+        values = {
+            name: min(getattr(self, name), getattr(ceiling, name, getattr(self, name)))
+            for name in type(self).model_fields
+        }
         return Limits(**values)
+
+
+@dataclass(frozen=True)
+class Maxima:
+    """The operator's ceilings on every package's ``[limits]``: a sandbox runs under the smaller of each.
+
+    The defaults are conservative; the gateway, the worker and the trainer fill these from their settings
+    (``TUNEGATE_SANDBOX_MAX_*``) and pass them to every :class:`~envsdk.sandbox.Sandbox` they make. A sandbox
+    made without them is held to these defaults.
+    """
+
+    timeout_s: float = 60.0
+    """Wall-clock seconds one call may take."""
+    startup_timeout_s: float = 30.0
+    """Wall-clock seconds to start the process and import the entrypoint (also all an upload check waits)."""
+    memory_mb: int = 2048
+    """Address space (RLIMIT_AS), in MiB."""
+    cpu_s: int = 600
+    """CPU seconds for the process's whole life (RLIMIT_CPU)."""
+    nproc: int = 64
+    """Processes and threads of the sandbox's uid (RLIMIT_NPROC)."""
+    nofile: int = 1024
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    fsize_mb: int = 256
+    """Largest single file (RLIMIT_FSIZE), in MiB."""
+    disk_mb: int = 512
+    """Size of the scratch tmpfs: all the bytes the sandbox may write, in MiB."""
+
+    def __post_init__(self) -> None:
+        # Each maximum must itself be a valid limit's value (at least what a package may declare).
+        for name, value in asdict(self).items():
+            for bound in Limits.model_fields[name].metadata:
+                low, strict = getattr(bound, "ge", None), False
+                if low is None:
+                    low, strict = getattr(bound, "gt", None), True
+                if low is not None and (value <= low if strict else value < low):
+                    relation = ">" if strict else ">="
+                    raise ValueError(f"sandbox maximum {name} must be {relation} {low}, got {value}")
+
+    def as_limits(self) -> Limits:
+        """These maxima as :class:`Limits` (each within a limit's own range, ``max_turns`` at its largest),
+        for an API that takes its ceiling as limits (``inspect_package(limits=...)``)."""
+        values: dict[str, Any] = {}
+        for name, field in Limits.model_fields.items():
+            high = min(bound.le for bound in field.metadata if hasattr(bound, "le"))
+            values[name] = min(getattr(self, name, high), high)
+        return Limits(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The maxima as a JSON object (how they travel to the trainer in its spec)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> Maxima:
+        """Maxima from :meth:`as_dict`'s object (keys it lacks keep their defaults)."""
+        return cls(**(data or {}))
 
 
 class Manifest(BaseModel):

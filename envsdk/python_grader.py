@@ -18,12 +18,13 @@ import hashlib
 import logging
 import math
 import shutil
-import tempfile
 import threading
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envsdk.errors import SandboxError
+
+if TYPE_CHECKING:
+    from envsdk.manifest import Maxima
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,15 @@ class PythonGrader:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         memory_mb: int = DEFAULT_MEMORY_MB,
         allow_unsandboxed: bool = False,
+        maxima: Maxima | None = None,
     ) -> None:
+        from envsdk.sandbox import owned_tempdir
+
         check_source(source)
         self.source = source
         self.allow_unsandboxed = allow_unsandboxed
-        self._dir = Path(tempfile.mkdtemp(prefix="tunegate-pygrader-"))
+        self.maxima = maxima
+        self._dir = owned_tempdir("grader")
         self._dir.chmod(0o755)  # the sandbox's own uid reads the package
         (self._dir / f"{GRADER_MODULE}.py").write_text(source, encoding="utf-8")
         (self._dir / "python_grader_env.py").write_text(_HOST_MODULE, encoding="utf-8")
@@ -106,7 +111,7 @@ class PythonGrader:
         from envsdk.sandbox import Sandbox
 
         if self._sandbox is None:
-            self._sandbox = Sandbox(self._dir, allow_unsandboxed=self.allow_unsandboxed)
+            self._sandbox = Sandbox(self._dir, maxima=self.maxima, allow_unsandboxed=self.allow_unsandboxed)
         if not self._sandbox.running:
             self._sandbox.start()
         return self._sandbox
@@ -156,11 +161,19 @@ class PythonGrader:
 
 
 class PythonGraders:
-    """A cache of :class:`PythonGrader` by source, shared by all the graders of a job (or a request)."""
+    """A cache of :class:`PythonGrader` by source, shared by all the graders of a job (or a request);
+    ``maxima`` (the operator's) cap each grader's sandbox."""
 
-    def __init__(self, *, allow_unsandboxed: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        *,
+        allow_unsandboxed: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        maxima: Maxima | None = None,
+    ) -> None:
         self.allow_unsandboxed = allow_unsandboxed
         self.timeout_s = timeout_s
+        self.maxima = maxima
         self._graders: dict[str, PythonGrader] = {}
         self._lock = threading.Lock()
 
@@ -169,7 +182,10 @@ class PythonGraders:
         with self._lock:
             if key not in self._graders:
                 self._graders[key] = PythonGrader(
-                    source, timeout_s=self.timeout_s, allow_unsandboxed=self.allow_unsandboxed
+                    source,
+                    timeout_s=self.timeout_s,
+                    allow_unsandboxed=self.allow_unsandboxed,
+                    maxima=self.maxima,
                 )
             return self._graders[key]
 

@@ -4,9 +4,10 @@ Isolation (the ``bwrap`` backend, bubblewrap):
 
 * its own network namespace (only a down loopback: no network at all), PID, IPC and UTS namespaces;
 * a new root holding read-only binds of ``/usr`` (and the ``/lib*``, ``/bin`` links), the Python prefix,
-  envsdk's own source and the package (at ``/env``), a writable scratch directory (``/scratch``, also
-  ``/tmp``), a fresh ``/proc`` and a minimal ``/dev`` -- nothing else of the host: no blob store, no
-  database files, no other tenant's data, no ``/etc``;
+  envsdk's own source and the package (at ``/env``), a writable scratch (``/scratch``, also ``/tmp``): a
+  tmpfs of ``disk_mb``, so all the sandbox writes is bounded and gone when it ends; a fresh ``/proc`` and a
+  minimal ``/dev`` -- nothing else of the host: no blob store, no database files, no other tenant's data,
+  no ``/etc``;
 * a clean environment (``PATH``, ``HOME``, ``LANG``, ``TMPDIR``, ``PYTHONPATH`` only);
 * an unprivileged uid: as root, bubblewrap runs without a user namespace and the child drops to a uid of
   its own before importing user code (inside a user namespace the host uid would stay 0, and the kernel
@@ -17,19 +18,25 @@ Isolation (the ``bwrap`` backend, bubblewrap):
   (``--die-with-parent`` takes the sandbox's PID namespace with it), and :meth:`Sandbox.start` may be
   called again.
 
-The ``unshare`` backend (util-linux, as root) is the fallback when bubblewrap is missing: network and PID
-namespaces, rlimits and the dropped uid, but the host filesystem stays visible to that uid (so it is only
-offered when the interpreter, envsdk and the package are reachable by other uids). With neither
-available the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only).
+Every limit is the smaller of the package's ``[limits]`` and the operator's :class:`~envsdk.manifest.Maxima`
+(conservative defaults unless the caller passes its own).
+
+The ``unshare`` backend (util-linux, as root) is the fallback when bubblewrap is missing: the same
+namespaces, the same file-system view (built by :mod:`envsdk._confine`: a private mount namespace, a new
+root of the same binds and scratch tmpfs, ``chroot``, ``no_new_privs``), rlimits and the dropped uid. With
+neither available the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only: the
+``none`` backend confines nothing, and its scratch is a plain temporary directory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import select
 import shutil
@@ -39,6 +46,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +55,7 @@ import orjson
 
 import envsdk
 from envsdk.errors import SandboxError
-from envsdk.manifest import Limits, load_manifest
+from envsdk.manifest import Limits, Maxima, load_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,8 @@ MAX_LINE = 64 * 1024 * 1024
 STDERR_KEEP = 16 * 1024
 ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
 SANDBOX_PYTHONPATH = "/opt/envsdk"
+SCRATCH = "/scratch"
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _EOF = object()
 _STDLIB_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
@@ -94,26 +105,177 @@ def base_python() -> Path:
     return Path(sys.executable).resolve()
 
 
-def _root_links() -> list[str]:
-    """Recreate ``/bin``, ``/lib``... as on the host: links stay links, directories become ro-binds."""
-    args: list[str] = ["--ro-bind", "/usr", "/usr"]
+@dataclass(frozen=True)
+class Mount:
+    """One step of the sandbox's file-system view, in the order it is made."""
+
+    kind: str
+    """``dir``, ``ro-bind``, ``tmpfs``, ``symlink``, ``proc`` or ``dev``."""
+    dest: str
+    """Where, inside the new root."""
+    source: str = ""
+    """The host path of a ``ro-bind``; the target of a ``symlink``."""
+    perms: int = 0o755
+    """Mode of a ``dir`` or a ``tmpfs``."""
+    size: int = 0
+    """Bytes of a ``tmpfs``."""
+
+    def bwrap_args(self) -> list[str]:
+        """This step as bubblewrap arguments."""
+        if self.kind == "dir":
+            return ["--perms", f"{self.perms:04o}", "--dir", self.dest]
+        if self.kind == "ro-bind":
+            return ["--ro-bind", self.source, self.dest]
+        if self.kind == "tmpfs":
+            return ["--perms", f"{self.perms:04o}", "--size", str(self.size), "--tmpfs", self.dest]
+        if self.kind == "symlink":
+            return ["--symlink", self.source, self.dest]
+        return [f"--{self.kind}", self.dest]  # proc, dev
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "dest": self.dest,
+            "source": self.source,
+            "perms": self.perms,
+            "size": self.size,
+        }
+
+
+def _root_links() -> list[Mount]:
+    """``/usr`` read-only, and ``/bin``, ``/lib``... as on the host: links stay links, directories become
+    read-only binds."""
+    view = [Mount("ro-bind", "/usr", "/usr")]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         host = Path("/") / name
         if host.is_symlink():
-            args += ["--symlink", os.readlink(host), str(host)]
+            view.append(Mount("symlink", str(host), os.readlink(host)))
         elif host.is_dir():
-            args += ["--ro-bind", str(host), str(host)]
-    return args
+            view.append(Mount("ro-bind", str(host), str(host)))
+    return view
 
 
-def _ro_bind(source: Path | str, dest: str) -> list[str]:
-    """``--ro-bind`` with world-traversable parents (bubblewrap makes missing parents 0700, and the
+def _ro_bind(source: Path | str, dest: str) -> list[Mount]:
+    """A read-only bind with world-traversable parents (bubblewrap makes missing parents 0700, and the
     sandbox's uid is not their owner)."""
-    args: list[str] = []
-    for parent in reversed(Path(dest).parents):
-        if str(parent) != "/":
-            args += ["--perms", "0755", "--dir", str(parent)]
-    return args + ["--ro-bind", str(source), dest]
+    parents = [Mount("dir", str(p)) for p in reversed(Path(dest).parents) if str(p) != "/"]
+    return [*parents, Mount("ro-bind", dest, str(source))]
+
+
+def file_system_view(package_dir: Path | None, *, disk_bytes: int) -> list[Mount]:
+    """Everything the sandbox sees, for both backends: read-only system directories, the Python prefix,
+    envsdk and the package (``/env``); a scratch tmpfs of ``disk_bytes`` (also ``/tmp``); ``/proc`` and a
+    minimal ``/dev``."""
+    python = base_python()
+    prefix = Path(sys.base_prefix).resolve()
+    view = _root_links()
+    if not str(prefix).startswith("/usr/"):
+        view += _ro_bind(prefix, str(prefix))
+    if not str(python).startswith(("/usr/", str(prefix) + "/")):
+        view += _ro_bind(python, str(python))
+    view += _ro_bind(ENVSDK_SRC, f"{SANDBOX_PYTHONPATH}/envsdk")
+    if package_dir is not None:
+        view.append(Mount("ro-bind", "/env", str(package_dir)))
+    view += [
+        Mount("tmpfs", SCRATCH, perms=0o1777, size=disk_bytes),
+        Mount("symlink", "/tmp", SCRATCH),
+        Mount("proc", "/proc"),
+        Mount("dev", "/dev"),
+    ]
+    return view
+
+
+def _sandbox_env() -> dict[str, str]:
+    """The whole environment of the sandboxed process."""
+    return {
+        "PATH": SANDBOX_PATH,
+        "HOME": SCRATCH,
+        "TMPDIR": SCRATCH,
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": SANDBOX_PYTHONPATH,
+    }
+
+
+def _unshare_command(root: Path, view: list[Mount], argv: list[str]) -> list[str]:
+    """``unshare`` into fresh namespaces, then :mod:`envsdk._confine` builds ``view`` and runs ``argv``."""
+    plan = {
+        "root": str(root),
+        "mounts": [m.as_dict() for m in view],
+        "env": _sandbox_env(),
+        "chdir": SCRATCH,
+        "argv": argv,
+    }
+    return [
+        "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+        str(base_python()), "-S", "-B", "-m", "envsdk._confine", json.dumps(plan),
+    ]  # fmt: skip
+
+
+# -- scratch and other host directories of a sandbox ------------------------------------------------------
+_OWNED = re.compile(r"^envsdk-[a-z]+-(\d+)\.(\d+)-")
+_stale_checked = False
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def owned_tempdir(kind: str) -> Path:
+    """A fresh temporary directory whose name says which process owns it (``envsdk-<kind>-<pid>.<start>-``),
+    so that :func:`remove_stale_dirs` can tell the directories of dead processes from live ones."""
+    ticks = _start_ticks(os.getpid()) or 0
+    return Path(tempfile.mkdtemp(prefix=f"envsdk-{kind}-{os.getpid()}.{ticks}-"))
+
+
+@contextlib.contextmanager
+def owned_workdir(kind: str) -> Iterator[Path]:
+    """:func:`owned_tempdir`, removed when the block ends (and by :func:`remove_stale_dirs` when its
+    process dies first)."""
+    path = owned_tempdir(kind)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_dirs(root: Path | None = None) -> int:
+    """Remove the directories :func:`owned_tempdir` made for processes that are gone (a worker killed while a
+    sandbox ran leaves its scratch behind). Returns how many it removed; run at a process's start."""
+    root = Path(root or tempfile.gettempdir())
+    removed = 0
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return 0
+    for entry in entries:
+        match = _OWNED.match(entry.name)
+        if match is None:
+            continue
+        try:
+            if not entry.is_dir() or entry.is_symlink() or entry.stat().st_uid != os.geteuid():
+                continue
+        except OSError:
+            continue
+        pid, ticks = int(match.group(1)), int(match.group(2))
+        if _start_ticks(pid) == ticks:
+            continue  # its owner is alive
+        shutil.rmtree(entry, ignore_errors=True)
+        removed += 1
+    if removed:
+        logger.info("removed %d sandbox directories left by processes that are gone", removed)
+    return removed
+
+
+def _remove_stale_once() -> None:
+    global _stale_checked
+    if not _stale_checked:
+        _stale_checked = True
+        remove_stale_dirs()
 
 
 def _bwrap_namespace_args() -> list[str]:
@@ -135,12 +297,6 @@ def _bwrap_namespace_args() -> list[str]:
     return common + ["--unshare-all", "--uid", "65534", "--gid", "65534"]
 
 
-def world_traversable(path: Path) -> bool:
-    """Whether any uid can reach ``path`` (every ancestor directory has its ``x`` bit for others)."""
-    path = Path(path).resolve()
-    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents] if p.is_dir())
-
-
 def probe_backend(name: str) -> bool:
     """Whether backend ``name`` (``bwrap``, ``unshare``, ``none``) works on this machine (cached)."""
     if name == "none":
@@ -150,27 +306,23 @@ def probe_backend(name: str) -> bool:
     ok = False
     try:
         if name == "bwrap" and shutil.which("bwrap"):
-            cmd = [
-                "bwrap",
-                *_root_links(),
-                "--proc",
-                "/proc",
-                "--dev",
-                "/dev",
-                *_bwrap_namespace_args(),
-                "true",
-            ]
+            view = [*_root_links(), Mount("proc", "/proc"), Mount("dev", "/dev")]
+            cmd = ["bwrap", *(a for m in view for a in m.bwrap_args()), *_bwrap_namespace_args(), "true"]
             ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
         elif name == "unshare" and shutil.which("unshare") and _is_root():
-            # no new root here: the dropped uid must reach the interpreter and envsdk on the host itself
-            if not (world_traversable(Path(sys.base_prefix)) and world_traversable(ENVSDK_SRC)):
-                logger.info(
-                    "unshare backend: %s or %s is not reachable by other uids", sys.base_prefix, ENVSDK_SRC
-                )
-                _probe_cache[name] = False
-                return False
-            cmd = ["unshare", "--net", "--pid", "--fork", "--mount-proc", "true"]
-            ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+            # the real thing: the confined view, then the interpreter, as the sandbox's own uid would run it
+            root = owned_tempdir("probe")
+            try:
+                view = file_system_view(None, disk_bytes=1 << 20)
+                argv = [str(base_python()), "-S", "-B", "-c", "import envsdk._runner"]
+                env = {"PATH": SANDBOX_PATH, "PYTHONPATH": str(ENVSDK_SRC.parent)}
+                command = _unshare_command(root, view, argv)
+                result = subprocess.run(command, capture_output=True, timeout=20, env=env)
+                ok = result.returncode == 0
+                if not ok:
+                    logger.info("unshare backend: %s", result.stderr.decode(errors="replace").strip()[-500:])
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("sandbox backend %s probe failed: %s", name, exc)
     _probe_cache[name] = ok
@@ -231,8 +383,10 @@ class Sandbox:
     """One sandboxed environment process.
 
     ``package_dir`` holds ``environment.toml`` and the code. ``config`` overrides the manifest's default
-    config; ``limits`` replaces the manifest's limits (the caller caps them). Sync API; ``acall`` and
-    friends run the same calls in a thread for asyncio callers. One call at a time per sandbox.
+    config; ``limits`` replaces the manifest's limits; either way each limit is lowered to ``maxima``'s
+    (the operator's; :class:`~envsdk.manifest.Maxima`'s conservative defaults when not given). Sync API;
+    ``acall`` and friends run the same calls in a thread for asyncio callers. One call at a time per
+    sandbox.
     """
 
     def __init__(
@@ -241,6 +395,7 @@ class Sandbox:
         *,
         config: dict[str, Any] | None = None,
         limits: Limits | None = None,
+        maxima: Maxima | None = None,
         allow_unsandboxed: bool = False,
         backend: str | None = None,
         entrypoint: str | None = None,
@@ -250,7 +405,8 @@ class Sandbox:
         self.manifest = manifest
         self.entrypoint = entrypoint or manifest.entrypoint
         self.config = {**manifest.config, **(config or {})}
-        self.limits = limits or manifest.limits
+        self.maxima = maxima or Maxima()
+        self.limits = (limits or manifest.limits).capped(self.maxima)
         self.allow_unsandboxed = allow_unsandboxed
         if backend == "none" and not allow_unsandboxed:
             raise SandboxError("unsandboxed_refused", "backend 'none' needs allow_unsandboxed=True")
@@ -264,75 +420,57 @@ class Sandbox:
         self._buffer = bytearray()
         self._stderr: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0
-        self._scratch: Path | None = None
+        self._host_dir: Path | None = None
         self._lock = threading.Lock()
         self._next_id = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def _command(self, backend: str, scratch: Path, uid: int | None) -> list[str]:
+    def _command(self, backend: str, host_dir: Path, uid: int | None) -> list[str]:
         limits = self.limits
         rlimits = (
             f"as={limits.memory_mb * 1024 * 1024},cpu={limits.cpu_s},nofile={limits.nofile},"
             f"nproc={limits.nproc},fsize={limits.fsize_mb * 1024 * 1024},core=0"
         )
-        python = base_python()
-        runner = [str(python), "-S", "-B", "-m", "envsdk._runner", "--rlimits", rlimits]
+        runner = [str(base_python()), "-S", "-B", "-m", "envsdk._runner", "--rlimits", rlimits]
         if uid is not None:
             runner += ["--drop-uid", str(uid), "--drop-gid", str(uid)]
-        if backend == "bwrap":
-            prefix = Path(sys.base_prefix).resolve()
-            binds = _root_links()
-            if not str(prefix).startswith("/usr/"):
-                binds += _ro_bind(prefix, str(prefix))
-            if not str(python).startswith(("/usr/", str(prefix) + "/")):
-                binds += _ro_bind(python, str(python))
-            binds += _ro_bind(ENVSDK_SRC, f"{SANDBOX_PYTHONPATH}/envsdk")
-            binds += [
-                "--ro-bind", str(self.package_dir), "/env",
-                "--bind", str(scratch), "/scratch",
-                "--symlink", "/scratch", "/tmp",
-                "--proc", "/proc",
-                "--dev", "/dev",
-            ]  # fmt: skip
-            env = [
-                "--clearenv",
-                "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",
-                "--setenv", "HOME", "/scratch",
-                "--setenv", "TMPDIR", "/scratch",
-                "--setenv", "LANG", "C.UTF-8",
-                "--setenv", "PYTHONPATH", SANDBOX_PYTHONPATH,
-                "--chdir", "/scratch",
-            ]  # fmt: skip
-            return ["bwrap", *binds, *_bwrap_namespace_args(), *env, *runner, "/env"]
-        runner = [*runner, str(self.package_dir)]
+        if backend == "none":
+            return [*runner, str(self.package_dir)]
+        view = file_system_view(self.package_dir, disk_bytes=limits.disk_mb * 1024 * 1024)
         if backend == "unshare":
-            return ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child", *runner]
-        return runner
+            return _unshare_command(host_dir, view, [*runner, "/env"])
+        env = [a for name, value in _sandbox_env().items() for a in ("--setenv", name, value)]
+        return [
+            "bwrap",
+            *(a for m in view for a in m.bwrap_args()),
+            *_bwrap_namespace_args(),
+            "--clearenv", *env, "--chdir", SCRATCH,
+            *runner, "/env",
+        ]  # fmt: skip
 
-    def _clean_env(self, backend: str, scratch: Path) -> dict[str, str]:
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-        if backend != "bwrap":
-            env.update(HOME=str(scratch), TMPDIR=str(scratch), PYTHONPATH=str(ENVSDK_SRC.parent))
+    def _host_env(self, backend: str, host_dir: Path) -> dict[str, str]:
+        """The environment of the process this side starts (bubblewrap and unshare set the sandbox's own)."""
+        env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}
+        if backend == "unshare":
+            env["PYTHONPATH"] = str(ENVSDK_SRC.parent)  # for envsdk._confine, before the new root
+        elif backend == "none":
+            env.update(HOME=str(host_dir), TMPDIR=str(host_dir), PYTHONPATH=str(ENVSDK_SRC.parent))
         return env
 
     def start(self) -> dict[str, Any]:
         """Start the process and load the entrypoint; returns ``describe``'s result."""
         if self._proc is not None:
             self.close()
+        _remove_stale_once()
         backend = self.requested_backend or detect_backend(allow_unsandboxed=self.allow_unsandboxed)
         if backend != "none" and not probe_backend(backend):
             raise SandboxError("unavailable", f"sandbox backend {backend!r} does not work on this machine")
-        if backend == "unshare" and not world_traversable(self.package_dir):
-            raise SandboxError(
-                "unavailable", f"the unshare backend needs {self.package_dir} readable by other uids"
-            )
         self.backend = backend
-        scratch = Path(tempfile.mkdtemp(prefix="envsdk-scratch-"))
-        self._scratch = scratch
+        # bwrap: only a working directory; unshare: the mount point of the new root; none: the scratch
+        host_dir = owned_tempdir("scratch" if backend == "none" else "root")
+        self._host_dir = host_dir
         self.uid = _allocate_uid() if _is_root() and backend != "none" else None
-        if self.uid is not None:
-            os.chown(scratch, self.uid, self.uid)
-        cmd = self._command(backend, scratch, self.uid)
+        cmd = self._command(backend, host_dir, self.uid)
         logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
         self._buffer = bytearray()
         self._stderr.clear()
@@ -343,8 +481,8 @@ class Sandbox:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=self._clean_env(backend, scratch),
-                cwd=str(scratch),
+                env=self._host_env(backend, host_dir),
+                cwd=str(host_dir),
                 close_fds=True,
                 start_new_session=True,
             )
@@ -359,20 +497,26 @@ class Sandbox:
             self.close()
             if exc.code == "crashed":
                 raise SandboxError("start_failed", exc.message) from exc
+            if exc.code == "timeout":
+                raise SandboxError(
+                    "timeout",
+                    f"the environment did not start within {self.limits.startup_timeout_s:g} s "
+                    f"(its start-up timeout, at most the operator's {self.maxima.startup_timeout_s:g} s)",
+                ) from exc
             raise
         return self.info
 
     def close(self) -> None:
-        """Kill the process group, and every process left of the sandbox's uid, and remove the scratch
-        directory (idempotent)."""
+        """Kill the process group, and every process left of the sandbox's uid, and remove its host
+        directory (idempotent). Its scratch, a tmpfs in its own mount namespace, goes with it."""
         proc, self._proc = self._proc, None
         if proc is not None:
             self._kill(proc)
             if self.uid is not None:
                 _kill_uid(self.uid)
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+        if self._host_dir is not None:
+            shutil.rmtree(self._host_dir, ignore_errors=True)
+            self._host_dir = None
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -504,6 +648,13 @@ class Sandbox:
             for i, r in enumerate(rewards)
         ]
 
+    def _allowed_s(self, timeout: float | None) -> float:
+        """Seconds a call may take: the limit, or the caller's ``timeout`` held to the longer of the
+        (capped) call and start-up limits."""
+        if timeout is None:
+            return self.limits.timeout_s
+        return min(timeout, max(self.limits.timeout_s, self.limits.startup_timeout_s))
+
     def _round_trip(self, method: str, params: dict[str, Any] | None, timeout: float | None) -> Any:
         with self._lock:
             proc = self._proc
@@ -519,13 +670,11 @@ class Sandbox:
                 error = self._died(proc)
                 self.close()
                 raise error from None
-            deadline = time.monotonic() + (timeout if timeout is not None else self.limits.timeout_s)
-            line = self._read_line(proc, deadline)
+            allowed = self._allowed_s(timeout)
+            line = self._read_line(proc, time.monotonic() + allowed)
             if line is None:
                 self.close()
-                raise SandboxError(
-                    "timeout", f"{method} did not answer within {timeout or self.limits.timeout_s:g} s"
-                ) from None
+                raise SandboxError("timeout", f"{method} did not answer within {allowed:g} s") from None
             if line is _EOF:
                 error = self._died(proc)
                 self.close()

@@ -225,11 +225,7 @@ return 1.0
     )
     with Sandbox(package, limits=FAST) as sandbox:
         [result] = sandbox.reward_batch([{"task": {}, "completion": ""}])
-        scratch = sandbox._scratch
-        assert scratch is not None
-        size = (scratch / "big.bin").stat().st_size
     assert result["reward"] is None and "File too large" in result["error"]
-    assert size <= FAST.fsize_mb * 2**20
 
 
 def test_prints_do_not_reach_the_channel_but_garbage_on_it_is_caught(make_package, sandbox_backend):
