@@ -345,6 +345,13 @@ def detect_backend(*, allow_unsandboxed: bool = False) -> str:
     )
 
 
+def _die_with_parent() -> None:
+    """In the child before ``exec``: SIGKILL when the process that started it dies."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _allocate_uid() -> int:
     """A uid of its own for this sandbox (so that RLIMIT_NPROC counts only this sandbox's processes)."""
     return 200_000 + secrets.randbelow(800_000)
@@ -485,6 +492,8 @@ class Sandbox:
                 cwd=str(host_dir),
                 close_fds=True,
                 start_new_session=True,
+                # bubblewrap has --die-with-parent; unshare's --kill-child takes the sandbox down with it
+                preexec_fn=_die_with_parent if backend == "unshare" else None,
             )
         except OSError as exc:
             self.close()
