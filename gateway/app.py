@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import ORJSONResponse
 from starlette.types import Receive, Scope, Send
 
+from envsdk.sandbox import remove_stale_dirs
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
@@ -64,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
         if not settings.database_url:
             raise RuntimeError("the gateway needs TUNEGATE_DATABASE_URL (tunegate up provides one)")
         await migrate(settings.database_url)
+        await asyncio.to_thread(remove_stale_dirs)  # upload checks' dirs a killed gateway left behind
         pool = await create_pool(
             settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max
         )

@@ -12,6 +12,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from envsdk.manifest import Maxima
+
 
 class BaseModelConfig(BaseModel):
     """One base model that jobs may fine-tune and clients may chat with."""
@@ -91,6 +93,25 @@ class Settings(BaseSettings):
     allow_unsandboxed_environments: bool = False
     """Development only: run environment packages and python graders without a sandbox on a machine where
     neither bubblewrap nor unshare works. Never on a shared deployment."""
+    sandbox_max_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest wall-clock time of one call into a sandbox (an environment package's `timeout_s` and a python
+    grader's are capped by it; so is every sandbox the gateway, a worker or a trainer runs)."""
+    sandbox_max_startup_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest time a sandbox may take to start and import its entrypoint; the upload check of an
+    environment package waits no longer, whatever the package declares."""
+    sandbox_max_memory_mb: int = Field(default=2048, ge=64)
+    """Most address space (RLIMIT_AS) of a sandboxed process, in MiB."""
+    sandbox_max_cpu_s: int = Field(default=600, ge=1)
+    """Most CPU seconds (RLIMIT_CPU) of a sandboxed process over its life."""
+    sandbox_max_nproc: int = Field(default=64, ge=1)
+    """Most processes and threads (RLIMIT_NPROC) of one sandbox's uid."""
+    sandbox_max_nofile: int = Field(default=1024, ge=16)
+    """Most open files (RLIMIT_NOFILE) of a sandboxed process."""
+    sandbox_max_fsize_mb: int = Field(default=256, ge=1)
+    """Largest file (RLIMIT_FSIZE) a sandboxed process may write, in MiB."""
+    sandbox_max_disk_mb: int = Field(default=512, ge=1)
+    """Most bytes a sandbox may write in all, in MiB: its scratch (`/scratch`, `/tmp`, `HOME`) is a tmpfs of
+    at most this size (memory of the host, apart from `sandbox_max_memory_mb`), gone when it ends."""
 
     db_pool_min: int = 1
     """Smallest size of the PostgreSQL connection pool."""
@@ -192,6 +213,19 @@ class Settings(BaseSettings):
     def blob_dir(self) -> Path:
         """Root of the local blob store."""
         return self.data_dir / "blobs"
+
+    def sandbox_maxima(self) -> Maxima:
+        """The operator's ceilings on every sandbox's limits (`sandbox_max_*`), for `envsdk`."""
+        return Maxima(
+            timeout_s=self.sandbox_max_timeout_s,
+            startup_timeout_s=self.sandbox_max_startup_timeout_s,
+            memory_mb=self.sandbox_max_memory_mb,
+            cpu_s=self.sandbox_max_cpu_s,
+            nproc=self.sandbox_max_nproc,
+            nofile=self.sandbox_max_nofile,
+            fsize_mb=self.sandbox_max_fsize_mb,
+            disk_mb=self.sandbox_max_disk_mb,
+        )
 
     def internal_gateway_url(self) -> str:
         """Where workers reach a gateway: `gateway_url`, else this process's own host and port."""

@@ -76,10 +76,14 @@ class EnvironmentSession:
         if spec.environment is None:
             raise TrainerError("invalid_spec", "environment.package_dir is required")
         package_dir, config = spec.environment.package_dir, spec.environment.config
+        from envsdk.manifest import Maxima
         from envsdk.sandbox import Sandbox
 
         try:
-            self.sandbox = Sandbox(Path(package_dir), config=config, allow_unsandboxed=spec.allow_unsandboxed)
+            maxima = Maxima.from_dict(spec.sandbox_maxima)
+            self.sandbox = Sandbox(
+                Path(package_dir), config=config, maxima=maxima, allow_unsandboxed=spec.allow_unsandboxed
+            )
             self.info: dict[str, Any] = self.sandbox.start()
         except EnvSDKError as exc:
             raise TrainerError("environment_error", f"the environment did not start: {exc.message}") from None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from envsdk.graders import GraderError, GradeResult, grade, make_sample, validate_grader
 from envsdk.inference_client import InferenceClient
+from envsdk.manifest import Maxima
 from envsdk.python_grader import PythonGraders
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
@@ -80,7 +81,9 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
             raise TrainerError("grader_error", "model graders need inference_base_url in the spec")
         inference = InferenceClient(spec.inference_base_url, spec.inference_api_key)
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="grader") if inference else None
-    python = PythonGraders(allow_unsandboxed=spec.allow_unsandboxed)
+    python = PythonGraders(
+        allow_unsandboxed=spec.allow_unsandboxed, maxima=Maxima.from_dict(spec.sandbox_maxima)
+    )
     atexit.register(python.close)  # stops the python graders' sandboxes and deletes their folders
 
     def reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:

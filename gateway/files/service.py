@@ -75,20 +75,20 @@ def check_environment(path: Path, settings: Settings) -> None:
     starts the package in the sandbox to check that its entrypoint is an environment class. A refusal is a
     400 ``invalid_environment`` naming the problem.
     """
-    import tempfile
-
     from envsdk.archive import inspect_package
     from envsdk.errors import EnvSDKError
+    from envsdk.sandbox import owned_workdir
 
-    with tempfile.TemporaryDirectory(prefix="tunegate-envcheck-") as workdir:
-        Path(workdir).chmod(0o755)  # the sandbox's own uid reads the extracted package
+    with owned_workdir("check") as workdir:  # removed at the next start if this process dies first
+        workdir.chmod(0o755)  # the sandbox's own uid reads the extracted package
         try:
             manifest = inspect_package(
                 path,
-                Path(workdir),
+                workdir,
                 max_entries=settings.environment_max_entries,
                 max_total_bytes=settings.environment_max_unpacked_bytes,
                 max_ratio=settings.environment_max_ratio,
+                limits=settings.sandbox_maxima().as_limits(),  # the operator's caps, start-up included
                 allow_unsandboxed=settings.allow_unsandboxed_environments,
             )
         except EnvSDKError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,9 @@ def _grade_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
     upstream = _upstream(settings, models[0]) if models else None
     inference = InferenceClient(f"{upstream}/v1") if upstream else None
     try:
-        with PythonGraders(allow_unsandboxed=settings.allow_unsandboxed_environments) as python:
+        with PythonGraders(
+            allow_unsandboxed=settings.allow_unsandboxed_environments, maxima=settings.sandbox_maxima()
+        ) as python:
             sample = make_sample(body.model_sample)
             result = grade(body.grader, sample, body.item or {}, inference=inference, python=python)
     finally:
@@ -130,11 +131,11 @@ def _run_environment_sync(
     from envsdk.archive import safe_extract
     from envsdk.errors import EnvSDKError
     from envsdk.rollout import openai_policy, run_episode, run_single_turn
-    from envsdk.sandbox import Sandbox
+    from envsdk.sandbox import Sandbox, owned_workdir
 
-    with tempfile.TemporaryDirectory(prefix="tunegate-envrun-") as workdir:
-        Path(workdir).chmod(0o755)
-        package = Path(workdir) / "package"
+    with owned_workdir("run") as workdir:  # removed at the next start if this process dies first
+        workdir.chmod(0o755)
+        package = workdir / "package"
         try:
             safe_extract(
                 archive,
@@ -144,7 +145,10 @@ def _run_environment_sync(
                 max_ratio=settings.environment_max_ratio,
             )
             sandbox = Sandbox(
-                package, config=body.config, allow_unsandboxed=settings.allow_unsandboxed_environments
+                package,
+                config=body.config,
+                maxima=settings.sandbox_maxima(),
+                allow_unsandboxed=settings.allow_unsandboxed_environments,
             )
             sandbox.start()
         except EnvSDKError as exc:

@@ -122,7 +122,10 @@ class EvalRunExecution:
         pending = iter([(i, row) for i, row in enumerate(rows) if i not in done])
         gateway = self.settings.internal_gateway_url()
         inference = InferenceClient(f"{gateway}/v1", api_key=secret, timeout=SAMPLE_TIMEOUT_S)
-        python = PythonGraders(allow_unsandboxed=self.settings.allow_unsandboxed_environments)
+        python = PythonGraders(
+            allow_unsandboxed=self.settings.allow_unsandboxed_environments,
+            maxima=self.settings.sandbox_maxima(),
+        )
         http = httpx.AsyncClient(
             base_url=gateway, headers={"Authorization": f"Bearer {secret}"}, timeout=SAMPLE_TIMEOUT_S
         )

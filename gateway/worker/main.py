@@ -19,6 +19,7 @@ import asyncpg
 from arq import cron
 from arq.worker import Worker
 
+from envsdk.sandbox import remove_stale_dirs
 from gateway.billing.outbox import run_billing
 from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
@@ -41,6 +42,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     await migrate(settings.database_url)
     ctx["pool"] = await create_pool(settings.database_url, min_size=1, max_size=4)
     ctx["blobs"] = BlobStore(settings.blob_dir)
+    await asyncio.to_thread(remove_stale_dirs)  # sandbox dirs a killed worker left behind
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
     ctx["slots"] = asyncio.Semaphore(settings.training_slots)
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)

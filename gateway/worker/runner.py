@@ -161,6 +161,7 @@ class JobRun:
                 "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
                 "inference_api_key": None,
                 "allow_unsandboxed": self.settings.allow_unsandboxed_environments,
+                "sandbox_maxima": self.settings.sandbox_maxima().as_dict(),
             }
         )
         path = self.workdir / "spec.json"
