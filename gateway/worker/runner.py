@@ -37,7 +37,7 @@ from gateway.limits.buckets import Buckets, month_key, to_micro
 from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.models import store as models_store
 from gateway.serving.service import load_adapter_everywhere
-from gateway.settings import Settings, settings_env
+from gateway.settings import Settings
 from gateway.usage.pricing import training_cost
 from gateway.worker import store
 from trainer.spec import (
@@ -63,6 +63,36 @@ def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     os.setsid()
+
+
+TRAINER_ENV_PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH")
+"""Host variables the trainer gets as they are (with those of `TRAINER_ENV_PREFIXES`)."""
+TRAINER_ENV_PREFIXES = (
+    "CUDA_",
+    "NVIDIA_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TORCH",
+    "PYTORCH_",
+    "VLLM_",
+    "NCCL_",
+    "OMP_",
+    "MKL_",
+)
+
+
+def trainer_env(workdir: Path) -> dict[str, str]:
+    """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
+    worker's settings. The trainer reads its spec; the database and Redis URLs, the admin key and the Stripe
+    key stay in the worker."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name in TRAINER_ENV_PASSED or name.startswith(TRAINER_ENV_PREFIXES)
+    }
+    env.setdefault("PATH", "/usr/bin:/bin")
+    env.update(PYTHONUNBUFFERED="1", HOME=str(workdir))
+    return env
 
 
 def fine_tuned_model_name(job: asyncpg.Record) -> str:
@@ -185,13 +215,7 @@ class JobRun:
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunOutcome:
         spec = await self.write_spec()
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "PYTHONUNBUFFERED": "1",
-            "HOME": str(self.workdir),
-            **settings_env(self.settings),
-        }
-        env.pop("TUNEGATE_ADMIN_KEY", None)  # the trainer needs no secrets
+        env = trainer_env(self.workdir)
         stderr_path = self.workdir / "trainer.log"
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
             self.proc = await asyncio.create_subprocess_exec(
