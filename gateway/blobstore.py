@@ -2,6 +2,10 @@
 
 One interface; a local directory by default. Writes land in `tmp/` first and become visible only when
 committed (an atomic rename), so a refused or broken upload leaves nothing behind.
+
+The store is private to the service's uid: directories 0700, files 0600 (the root is made so at start,
+also when an older version left it open), so no other uid on the host -- a sandboxed environment's
+included -- can read another tenant's uploads, checkpoints or adapters.
 """
 
 from __future__ import annotations
@@ -11,6 +15,32 @@ import shutil
 import uuid
 from pathlib import Path
 
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def _make_private(tree: Path) -> None:
+    """Directories 0700 and files 0600 under (and including) `tree`."""
+    if tree.is_dir():
+        tree.chmod(DIR_MODE)
+        for folder, dirs, files in os.walk(tree):
+            for name in dirs:
+                os.chmod(os.path.join(folder, name), DIR_MODE)
+            for name in files:
+                os.chmod(os.path.join(folder, name), FILE_MODE, follow_symlinks=False)
+    else:
+        tree.chmod(FILE_MODE)
+
+
+def _make_dirs(path: Path) -> None:
+    """`path` and every missing folder above it, each 0700 (`mkdir(parents=True)` makes parents 0755)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        folder.mkdir(mode=DIR_MODE, exist_ok=True)
+
 
 class BlobStore:
     """Blobs addressed by relative keys like `files/<org>/<file_id>`."""
@@ -18,7 +48,9 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._tmp = root / "tmp"
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        _make_dirs(self._tmp)
+        root.chmod(DIR_MODE)
+        self._tmp.chmod(DIR_MODE)
 
     def path(self, key: str) -> Path:
         """Local path of a committed blob (the worker and engines read from it directly)."""
@@ -34,7 +66,8 @@ class BlobStore:
     def commit(self, temp: Path, key: str) -> Path:
         """Make a temporary file visible under `key`."""
         dest = self.path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(dest.parent)
+        temp.chmod(FILE_MODE)
         os.replace(temp, dest)
         return dest
 
@@ -54,8 +87,9 @@ class BlobStore:
         dest = self.path(key)
         staging = self.new_temp()
         shutil.copytree(source, staging)
+        _make_private(staging)
         if dest.exists():
             shutil.rmtree(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        _make_dirs(dest.parent)
         os.replace(staging, dest)
         return dest
