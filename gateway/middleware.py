@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.serving.router import PROXY_PATHS, proxy_asgi
@@ -36,6 +36,11 @@ class Metrics:
             ["method", "route"],
             registry=self.registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.workers_alive = Gauge(
+            "tunegate_workers_alive",
+            "Workers whose presence in Redis is recent (NaN while Redis cannot say), read at each scrape",
+            registry=self.registry,
         )
         self._counters: dict[tuple[str, str, int], Any] = {}
         self._timers: dict[tuple[str, str], Any] = {}

@@ -132,6 +132,12 @@ class Settings(BaseSettings):
     """How often a worker proves it is alive and checks for cancel/pause of its jobs."""
     stale_after_s: float = 30.0
     """A running job whose heartbeat is older than this is taken from its (dead) worker and re-queued."""
+    worker_alive_after_s: float = Field(default=10.0, gt=0)
+    """A worker that has not stamped its presence in Redis for this long counts as gone (`/readyz`,
+    `tunegate_workers_alive`); workers stamp every `heartbeat_interval_s`."""
+    ready_min_workers: int = Field(default=1, ge=0)
+    """Workers that must be alive for `/readyz` to answer 200 (0: readiness leaves workers out, e.g. a
+    gateway deployed apart from any worker)."""
     max_attempts: int = 3
     """Times a job may be started (first run plus re-queues after lost workers) before it fails."""
     stop_grace_s: float = 60.0

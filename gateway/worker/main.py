@@ -17,7 +17,6 @@ from typing import Any
 
 import asyncpg
 from arq import cron
-from arq.worker import Worker
 
 from envsdk.sandbox import remove_stale_dirs
 from gateway.billing.outbox import run_billing
@@ -28,8 +27,9 @@ from gateway.jobs import store as jobs_store
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
-from gateway.worker import store
+from gateway.worker import presence, store
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
+from gateway.worker.resilience import Worker, until_database_answers
 from gateway.worker.runner import JobRun, RunOutcome
 from trainer.spec import ErrorEvent, ResultEvent
 
@@ -47,10 +47,21 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["slots"] = asyncio.Semaphore(settings.training_slots)
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
     ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
+    ctx["presence"] = asyncio.create_task(
+        presence.keep_stamping(
+            ctx["redis"], settings.queue_name, ctx["worker_id"], settings.heartbeat_interval_s
+        )
+    )
     logger.info("worker %s ready", ctx["worker_id"])
 
 
 async def shutdown(ctx: dict[str, Any]) -> None:
+    stamping: asyncio.Task[None] | None = ctx.get("presence")
+    if stamping is not None:
+        stamping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stamping
+        await presence.leave(ctx["redis"], ctx["settings"].queue_name, ctx["worker_id"])
     spend: Buckets | None = ctx.get("spend")
     if spend is not None:
         await spend.redis.aclose()
@@ -98,7 +109,17 @@ async def _train(ctx: dict[str, Any], run: JobRun) -> str:
         logger.exception("job %s: worker error", run.job_id)
         await run.fail("worker_error", f"{type(exc).__name__}: {exc}")
         return "failed"
-    return await asyncio.shield(_finish(run, outcome, ctx))
+
+    def _retry() -> None:
+        run.usage_recorded = False  # the transaction that wrote it was rolled back
+
+    finishing = until_database_answers(
+        lambda: _finish(run, outcome, ctx),
+        what=f"job {run.job_id}: finishing",
+        within_s=ctx["settings"].stale_after_s,
+        on_retry=_retry,
+    )
+    return await asyncio.shield(finishing)
 
 
 async def _finish(run: JobRun, outcome: RunOutcome, ctx: dict[str, Any]) -> str:

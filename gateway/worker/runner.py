@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import csv
 import ctypes
+import functools
 import hashlib
 import io
 import logging
@@ -40,6 +41,7 @@ from gateway.serving.service import load_adapter_everywhere
 from gateway.settings import Settings
 from gateway.usage.pricing import training_cost
 from gateway.worker import store
+from gateway.worker.resilience import until_database_answers
 from trainer.spec import (
     EVENT,
     CheckpointEvent,
@@ -245,7 +247,11 @@ class JobRun:
                     except ValidationError:
                         logger.warning("job %s: trainer wrote a non-event line: %.200s", self.job_id, line)
                         continue
-                    final = await self.handle(event)
+                    final = await until_database_answers(
+                        functools.partial(self.handle, event),
+                        what=f"job {self.job_id}",
+                        within_s=self.settings.stale_after_s,
+                    )
                     if final is not None:
                         outcome = final
                 await self.proc.wait()

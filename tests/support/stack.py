@@ -193,6 +193,7 @@ def make_settings(
         "max_upload_bytes": 256 * 1024 * 1024,
         "max_jsonl_line_bytes": 4 * 1024 * 1024,
         "auth_cache_ttl_s": 5.0,
+        "ready_min_workers": 0,  # tests start workers only where they need them
     }
     values.update(extra)
     return Settings(**values)
