@@ -1,8 +1,9 @@
 """`tunegate up`: the whole stack on one machine, in the foreground.
 
 Embedded PostgreSQL and Redis when no URLs are set, the tiny base model made when missing, an inference
-engine for base models that name no upstream, a worker process, and the gateway. Ctrl-C or SIGTERM stops
-everything, the embedded servers last.
+engine for base models that name no upstream, a worker process, and the gateway. The engine and the worker
+are supervised (`tunegate.supervise`): one that exits is started again, with backoff. Ctrl-C or SIGTERM
+stops everything, the embedded servers last.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import httpx
 from gateway.db import migrate
 from gateway.settings import Settings, settings_env
 from tunegate.embedded import EmbeddedServices, start_postgres, start_redis
+from tunegate.supervise import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def prepare(settings: Settings, services: EmbeddedServices) -> str:
 
 def run_stack(settings: Settings) -> int:
     services = EmbeddedServices()
-    children: list[subprocess.Popen[bytes]] = []
+    supervisor = Supervisor()
 
     def _terminate(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
@@ -80,17 +82,18 @@ def run_stack(settings: Settings) -> int:
         engine_models = {
             n: str(settings.base_model_path(n)) for n, e in settings.base_models.items() if not e.upstreams
         }
+        engine = None
         if engine_models:
             engine_url = f"http://127.0.0.1:{settings.engine_port}"
             argv = [sys.executable, "-m", "inference", "--port", str(settings.engine_port)]
             for name, path in engine_models.items():
                 argv += ["--model", f"{name}={path}"]
                 settings.base_models[name].upstreams = [engine_url]
-            children.append(subprocess.Popen(argv))
+            engine = supervisor.start("engine", argv)
         env = {**os.environ, **settings_env(settings)}
-        children.append(subprocess.Popen([sys.executable, "-m", "tunegate", "worker"], env=env))
-        if engine_models:
-            _wait_http(f"http://127.0.0.1:{settings.engine_port}/health", 120, children[0])
+        supervisor.start("worker", [sys.executable, "-m", "tunegate", "worker"], env)
+        if engine is not None:
+            _wait_http(f"http://127.0.0.1:{settings.engine_port}/health", 120, engine.proc)
         from gateway.app import create_app
         from gateway.httpserver import serve
 
@@ -100,12 +103,5 @@ def run_stack(settings: Settings) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        supervisor.stop()
         services.stop()
