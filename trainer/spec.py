@@ -373,7 +373,7 @@ class TrainerSpec(BaseModel):
     """Reinforcement on CUDA: generate with vLLM (colocated). Ignored on a CPU."""
     allow_unsandboxed: bool = False
     """Development only: run environment and python-grader code without a sandbox where none works."""
-    sandbox_maxima: dict[str, float] | None = None
+    sandbox_maxima: dict[str, int | float] | None = None
     """The operator's ceilings on every sandbox's limits (``envsdk.Maxima.as_dict``); unset: its defaults."""
 
     @model_validator(mode="before")
