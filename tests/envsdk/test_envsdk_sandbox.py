@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -75,38 +72,22 @@ return float(len(errors))
     assert result == {"reward": 3.0, "error": None}
 
 
-def _reachable_by_other_uids(path: Path) -> bool:
-    return all(p.stat().st_mode & 0o001 for p in [path, *path.parents])
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A fresh folder in the system's temporary folder that other uids can reach (pytest's `tmp_path` lies
-    under a folder private to this uid, wherever the repository is cloned)."""
-    path = Path(tempfile.mkdtemp(prefix="tunegate-test-")).resolve()
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_unshare_fallback_has_no_network_and_drops_root(make_package, public_dir):
+def test_unshare_fallback_has_no_network_and_drops_root(make_package):
     from envsdk.sandbox import probe_backend
 
     if not probe_backend("unshare"):
-        pytest.skip(
-            "unshare backend unavailable: needs root, util-linux and a Python prefix reachable by other uids"
-        )
-    if not _reachable_by_other_uids(public_dir):
-        pytest.skip(f"other uids cannot reach {public_dir.parent}, so no package can be given to them")
-    code = _env("""
+        pytest.skip("unshare backend unavailable: needs root and util-linux")
+    # The package lies under pytest's folder, private to this uid: unshare binds it into the sandbox's own
+    # root, as bubblewrap does, so where the repository is cloned does not matter.
+    package = make_package(
+        _env("""
 try:
     socket.create_connection(("127.0.0.1", 5432), timeout=1).close()
 except OSError:
     return float(os.getuid() != 0 and os.getpid() < 10)
 return -1.0
 """)
-    # unshare gives the dropped uid no file system of its own: it reads the package where it lies.
-    package = shutil.copytree(make_package(code), public_dir / "package")
+    )
     with Sandbox(package, limits=FAST, backend="unshare") as sandbox:
         assert sandbox.reward_batch([{"task": {}, "completion": ""}]) == [{"reward": 1.0, "error": None}]
 
