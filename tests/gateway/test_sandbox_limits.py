@@ -23,6 +23,7 @@ from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start
 
 HIGH = {"timeout_s": 3600, "startup_timeout_s": 600, "memory_mb": 65536, "disk_mb": 65536, "fsize_mb": 65536}
 """What the hostile packages declare: the most a manifest allows."""
+MESSAGES = [{"role": "user", "content": "Act."}]
 CANARY = """import os, time
 from envsdk import SingleTurnEnv
 
@@ -94,7 +95,7 @@ def test_environment_runs_are_held_to_the_operators_maxima(gateway: GatewayServe
     def run(act: str) -> dict[str, object]:
         answer = httpx.post(
             f"{gateway.url}/v1/fine_tuning/alpha/environments/run",
-            json={"file_id": file_id, "task": {"act": act, "messages": []}, "completion": "x"},
+            json={"file_id": file_id, "task": {"act": act, "messages": MESSAGES}, "completion": "x"},
             headers={"Authorization": f"Bearer {tenant.key}"},
             timeout=120,
         )

@@ -35,7 +35,7 @@ def test_the_specs_maxima_cap_the_environments_limits(tiny: Path, tmp_path: Path
     (package / "canary.py").write_text(CANARY)
     maxima = Maxima(timeout_s=2, memory_mb=512, nproc=16)
     hyperparameters = {"max_steps": 1, "batch_size": 2, "num_generations": 2, "max_completion_length": 8}
-    rows = [{"messages": [{"role": "user", "content": "unused"}]}]
+    rows = [{"messages": [{"role": "user", "content": q}]} for q in ("unused", "also unused")]
     spec = read_spec(
         make_spec(
             tmp_path,
