@@ -108,12 +108,16 @@ class EventCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         elif self.validator is not None:
-            # The flow callback (first in line) has already decided whether this step saves a checkpoint.
+            # The flow callback (first in line) has already decided whether this step logs and saves; an
+            # evaluation loop run now resets those decisions (its own log clears should_log), so they are
+            # put back after it.
+            decided = (control.should_log, control.should_save, control.should_training_stop)
             step = state.global_step
             if control.should_save or step >= state.max_steps:
                 self.pending = {**self.validator.periodic(), **self.validator.full()}
             elif self.eval_interval and step % self.eval_interval == 0:
                 self.pending = self.validator.periodic()
+            control.should_log, control.should_save, control.should_training_stop = decided
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
