@@ -23,6 +23,8 @@ REWARD_KEY = "reward_mean"
 """Metrics field of the mean reward of a step (reinforcement jobs)."""
 LOSS_KEY = "train_loss"
 """Metrics field of the training loss of a step."""
+VALID_KEYS = ("valid_reward_mean", "valid_loss")
+"""Metrics fields of the latest evaluation on the validation file (reinforcement, else loss)."""
 
 
 @dataclass
@@ -71,6 +73,15 @@ def _fmt(value: Any) -> str:
     return f"{value:.4f}" if isinstance(value, int | float) else "—"
 
 
+def _latest_validation(by_step: dict[int, dict[str, Any]]) -> str:
+    """`valid <name> <value>` of the latest step that was evaluated (empty without evaluations)."""
+    for step in sorted(by_step, reverse=True):
+        for key in VALID_KEYS:
+            if isinstance(by_step[step].get(key), int | float):
+                return f"{key.removeprefix('valid_').removesuffix('_mean')} (valid) {by_step[step][key]:.4f}"
+    return ""
+
+
 def follow_job(
     client: openai.OpenAI,
     job_id: str,
@@ -95,12 +106,13 @@ def follow_job(
         TextColumn("step {task.completed:.0f}/{task.fields[total_text]}"),
         TextColumn("reward {task.fields[reward]}"),
         TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[valid]}"),
         TimeElapsedColumn(),
         console=console,
     )
     job = client.fine_tuning.jobs.retrieve(job_id)
     with progress:
-        task = progress.add_task(job.status, total=None, total_text="?", reward="—", loss="—")
+        task = progress.add_task(job.status, total=None, total_text="?", reward="—", loss="—", valid="")
         while True:
             for event in new_events(client, job_id, seen):
                 if event.type == "metrics" and isinstance(event.data, dict) and "step" in event.data:
@@ -118,6 +130,7 @@ def follow_job(
                     total_text=str(total) if total is not None else "?",
                     reward=_fmt(last.get(REWARD_KEY)),
                     loss=_fmt(last.get(LOSS_KEY)),
+                    valid=_latest_validation(by_step),
                 )
             progress.update(task, description=job.status)
             if job.status in TERMINAL_STATES:

@@ -37,8 +37,17 @@ def sparkline(values: Sequence[float], width: int = 60) -> str:
     return "".join(BARS[round((v - lo) * scale)] for v in points)
 
 
+Series = tuple[str, Sequence[int], Sequence[float]]
+"""A labelled curve: (label, steps, values)."""
+
+
 def save_curve(steps: Sequence[int], values: Sequence[float], path: Path, *, title: str, ylabel: str) -> Path:
     """Draw `values` against `steps` into a PNG at `path`; returns the path."""
+    return save_curves([("", steps, values)], path, title=title, ylabel=ylabel)
+
+
+def save_curves(series: Sequence[Series], path: Path, *, title: str, ylabel: str) -> Path:
+    """Draw several labelled curves on one set of axes into a PNG at `path`; returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +56,10 @@ def save_curve(steps: Sequence[int], values: Sequence[float], path: Path, *, tit
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=100)
     try:
-        ax.plot(list(steps), list(values), marker="o", markersize=3, linewidth=1.5)
+        for label, steps, values in series:
+            ax.plot(list(steps), list(values), marker="o", markersize=3, linewidth=1.5, label=label or None)
+        if any(label for label, _, _ in series):
+            ax.legend(loc="best")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
