@@ -174,7 +174,7 @@ LONGEST = (
 
 def test_group_reward_judges_each_prompt_s_completions_together(tiny: Path, tmp_path: Path) -> None:
     package = write_package(tmp_path / "longest", LONGEST)
-    rows = [{"messages": [{"role": "user", "content": "unused"}]}]
+    rows = [{"messages": [{"role": "user", "content": "unused"}]}] * 2
     spec = read_spec(env_spec(tmp_path, tiny, package, rows))
     session = EnvironmentSession(spec)
     try:
