@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,16 +15,25 @@ import pytest
 from rich.console import Console
 
 from gateway.settings import Settings
-from tests.support.stack import ROOT, GatewayServer, Tenant, WorkerProcess, free_port
+from tests.support.stack import (
+    ROOT,
+    GatewayServer,
+    Services,
+    Tenant,
+    WorkerProcess,
+    admin_of,
+    free_port,
+    make_settings,
+)
 from tunegate.client import api_base_url, make_client, root_url
 from tunegate.follow import follow_job
-from tunegate.plot import resample, save_curve, sparkline
+from tunegate.plot import resample, save_curve, save_curves, sparkline
 from tunegate.quickstart import (
     EXAMPLE_ENV,
     create_tenant,
     environment_method,
-    grader_method,
-    load_prompts,
+    question_of,
+    read_tasks,
     stack_ready,
     upload_environment,
 )
@@ -68,6 +78,13 @@ def test_reward_png_is_written(tmp_path: Path) -> None:
     path = save_curve([1, 2, 3], [0.1, 0.4, 0.3], tmp_path / "sub" / "reward.png", title="t", ylabel="r")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    two = save_curves(
+        [("train", [1, 2, 3], [0.1, 0.4, 0.3]), ("held-out", [0, 2], [0.2, 0.5])],
+        tmp_path / "two.png",
+        title="t",
+        ylabel="r",
+    )
+    assert two.read_bytes()[:4] == b"\x89PNG" and two.stat().st_size != path.stat().st_size
 
 
 def test_client_settings_from_options_and_settings() -> None:
@@ -82,13 +99,65 @@ def test_client_settings_from_options_and_settings() -> None:
     assert str(client.base_url).rstrip("/") == "http://gw:1/v1" and client.api_key == "sk-tg-x"
 
 
-def test_quickstart_methods_and_prompts() -> None:
-    env = environment_method("file-abc", 7)["reinforcement"]
-    assert env["environment"]["file_id"] == "file-abc" and env["hyperparameters"]["max_steps"] == 7
-    grader = grader_method(7)["reinforcement"]
-    assert grader["grader"]["type"] == "text_similarity" and "environment" not in grader
-    prompts = load_prompts(EXAMPLE_ENV / "tasks.jsonl", 3)
-    assert len(prompts) == 3 and all(p.startswith("What is") for p in prompts)
+def test_quickstart_method_and_tasks() -> None:
+    env = environment_method("file-abc")["reinforcement"]
+    assert env["environment"]["file_id"] == "file-abc" and "hyperparameters" not in env  # all "auto"
+    tasks, heldout = read_tasks(EXAMPLE_ENV / "tasks.jsonl"), read_tasks(EXAMPLE_ENV / "heldout.jsonl")
+    assert (len(tasks), len(heldout)) == (70, 30)
+    questions = {question_of(t) for t in tasks}
+    assert all(q.startswith("What is") for q in questions)
+    assert not questions & {question_of(t) for t in heldout}  # held-out problems are never trained on
+
+
+def test_models_add_registers_a_local_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    data_dir = tmp_path / "stack"
+    out = _cli("models", "add", "my-model", str(tiny_model_dir), "--data-dir", str(data_dir))
+    assert out.returncode == 0, out.stderr
+    settings = Settings(data_dir=data_dir)
+    assert settings.base_model_path("my-model") == tiny_model_dir.resolve()
+    assert "tiny-chat" in settings.base_models  # added beside the configured ones
+    broken = tmp_path / "not-a-model"
+    broken.mkdir()
+    out = _cli("models", "add", "other", str(broken), "--data-dir", str(data_dir))
+    assert out.returncode == 2 and "config.json" in out.stderr
+    assert "other" not in Settings(data_dir=data_dir).base_models
+
+
+def test_a_registered_model_can_be_fine_tuned(
+    services: Services, database: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A gateway on a data dir where `models add` registered a model lists it and takes jobs for it."""
+    data_dir = tmp_path / "stack"
+    assert _cli("models", "add", "my-model", str(tiny_model_dir), "--data-dir", str(data_dir)).returncode == 0
+    settings = make_settings(
+        data_dir=data_dir, database_url=database, redis_url=services.redis_url, tiny_model=tiny_model_dir
+    )
+    assert settings.base_model_path("my-model") == tiny_model_dir.resolve()
+    gateway = GatewayServer(settings).start()
+    try:
+        t = admin_of(gateway).tenant("registered")
+        assert "my-model" in [m.id for m in t.client.models.list()]
+        rows = "\n".join(json.dumps(r) for r in SFT).encode()
+        training = t.client.files.create(file=("train.jsonl", rows), purpose="fine-tune").id
+        job = t.client.fine_tuning.jobs.create(model="my-model", training_file=training)
+        assert job.status == "queued" and job.model == "my-model"
+        t.client.fine_tuning.jobs.cancel(job.id)
+    finally:
+        gateway.stop()
+
+
+def test_models_add_explains_a_hub_id_it_cannot_fetch(tmp_path: Path) -> None:
+    out = _cli(
+        "models",
+        "add",
+        "qwen",
+        "tunegate-test/no-such-model",
+        "--data-dir",
+        str(tmp_path),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "cannot fetch tunegate-test/no-such-model" in out.stderr and "folder instead" in out.stderr
 
 
 def test_follow_needs_an_api_key() -> None:
@@ -178,14 +247,15 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
         f"http://127.0.0.1:{port}",
         "--engine-port",
         str(engine_port),
-        "--steps",
-        "8",
-        timeout=280,
+        timeout=900,
     )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     text = out.stdout.replace("\n", "")
     assert "fine-tuned model: ft:tiny-chat:" in text
-    assert "(rewards from the environment)" in text  # the example environment, not the fallback grader
+    base, tuned = (
+        int(x) for x in re.findall(r"held-out exact answers: base (\d+)% -> fine-tuned (\d+)%", text)[0]
+    )
+    assert tuned >= base + 25, text[-3000:]
     assert (data_dir / "quickstart" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert (data_dir / "admin_key").exists() and "the stack was stopped" in text
     assert not stack_ready(f"http://127.0.0.1:{port}")

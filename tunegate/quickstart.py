@@ -1,13 +1,12 @@
-"""`tunegate quickstart`: the newcomer's first five minutes, end to end through the public API.
+"""`tunegate quickstart`: the newcomer's first minutes, end to end through the public API.
 
 Starts the stack (`tunegate up` in a child process) unless one already answers, makes an organisation and a
-key with the admin API, packs and uploads the example environment, runs a short reinforcement-learning job
-on `tiny-chat` with live progress, chats with the base and the fine-tuned model side by side, and draws the
-reward curve in the terminal and as a PNG in the data dir.
-
-The environment path comes first; when the job fails on it (an older trainer without environment support,
-for instance), the same tasks run again with an OpenAI `text_similarity` grader so the tour still ends with
-a served fine-tuned model.
+key with the admin API, packs and uploads the arithmetic example environment with its tasks and its held-out
+problems, and runs a reinforcement-learning job on `tiny-chat` with the default hyperparameters and live
+progress. Then it measures what training did: one eval (OpenAI's Evals API) scores the base model and the
+fine-tuned model on held-out problems that training never saw, and it prints
+`held-out exact answers: base X% -> fine-tuned Y%`, a table of answers, and the train and validation reward
+curves (in the terminal, and as a PNG in the data dir). Any failure stops the tour with its cause.
 """
 
 from __future__ import annotations
@@ -41,47 +40,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_ENV = REPO_ROOT / "examples" / "envs" / "arithmetic"
 BASE_MODEL = "tiny-chat"
 READY_TIMEOUT_S = 300.0
-
-FALLBACK_GRADER: dict[str, Any] = {
-    "type": "text_similarity",
-    "name": "close_to_answer",
+EXACT = {
+    "type": "string_check",
+    "name": "exact",
     "input": "{{ sample.output_text }}",
     "reference": "{{ item.answer }}",
-    "evaluation_metric": "fuzzy_match",
+    "operation": "eq",
 }
-"""The grader used when the environment path fails: closeness of the answer text to the right number."""
+"""The held-out eval's criterion: the answer is exactly the number."""
 
 
-def rl_hyperparameters(steps: int) -> dict[str, Any]:
-    """Hyperparameters that move the tiny model visibly within `steps` GRPO steps on two CPU cores."""
-    return {
-        "batch_size": 4,
-        "num_generations": 4,
-        "max_completion_length": 8,
-        "learning_rate_multiplier": 3000,
-        "temperature": 1.0,
-        "max_steps": steps,
-        "n_epochs": 50,
-        "checkpoint_every": max(steps, 1),
-    }
+class QuickstartError(RuntimeError):
+    """A step of the tour failed; the message says which and why."""
 
 
-def environment_method(env_file_id: str, steps: int) -> dict[str, Any]:
-    """An RL method whose rewards come from an uploaded environment package."""
+def environment_method(env_file_id: str) -> dict[str, Any]:
+    """An RL method whose rewards come from an uploaded environment package; every hyperparameter "auto"."""
     return {
         "type": "reinforcement",
-        "reinforcement": {
-            "environment": {"file_id": env_file_id, "config": {"partial_credit": True}},
-            "hyperparameters": rl_hyperparameters(steps),
-        },
-    }
-
-
-def grader_method(steps: int) -> dict[str, Any]:
-    """The same RL run with an OpenAI grader instead of an environment."""
-    return {
-        "type": "reinforcement",
-        "reinforcement": {"grader": FALLBACK_GRADER, "hyperparameters": rl_hyperparameters(steps)},
+        "reinforcement": {"environment": {"file_id": env_file_id, "config": {"partial_credit": True}}},
     }
 
 
@@ -183,27 +160,14 @@ def upload_tasks(client: openai.OpenAI, tasks_path: Path) -> str:
         return client.files.create(file=(tasks_path.name, fh), purpose="fine-tune").id
 
 
-def load_prompts(tasks_path: Path, n: int) -> list[str]:
-    """The user prompts of the first `n` tasks."""
-    prompts = []
-    for line in tasks_path.read_text().splitlines():
-        if line.strip():
-            messages = json.loads(line)["messages"]
-            prompts.append(next(m["content"] for m in messages if m["role"] == "user"))
-        if len(prompts) == n:
-            break
-    return prompts
+def read_tasks(tasks_path: Path) -> list[dict[str, Any]]:
+    """The rows of a tasks JSONL file."""
+    return [json.loads(line) for line in tasks_path.read_text().splitlines() if line.strip()]
 
 
-def answer(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 16) -> str:
-    """One greedy chat completion through the gateway."""
-    out = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        temperature=0.0,
-    )
-    return (out.choices[0].message.content or "").strip()
+def question_of(task: dict[str, Any]) -> str:
+    """The user's question of a task row."""
+    return str(next(m["content"] for m in task["messages"] if m["role"] == "user"))
 
 
 # ---- the tour ---------------------------------------------------------------------------------------
@@ -211,37 +175,129 @@ def answer(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 16)
 
 @dataclass
 class QuickstartReport:
-    """Where everything lives after a quickstart run."""
+    """Where everything lives after a quickstart run, and what training did."""
 
     data_dir: Path
     base_url: str
     org_id: str = ""
     api_key: str = ""
-    reward_source: str = ""
-    """`environment` or `grader`: which path trained the model."""
     job_id: str = ""
     fine_tuned_model: str | None = None
     rewards: list[float] = field(default_factory=list)
+    """Mean training reward per step."""
+    valid_rewards: list[float] = field(default_factory=list)
+    """Mean validation reward (greedy answers to the held-out problems) at each evaluation, step 0 first."""
+    eval_id: str = ""
+    base_exact: float = 0.0
+    """Share of held-out problems the base model answers exactly."""
+    tuned_exact: float = 0.0
+    """Share of held-out problems the fine-tuned model answers exactly."""
     png: Path | None = None
-    answers: list[tuple[str, str, str]] = field(default_factory=list)
-    """(prompt, base answer, fine-tuned answer) per prompt."""
+    answers: list[tuple[str, str, str, str]] = field(default_factory=list)
+    """(question, right answer, base answer, fine-tuned answer) per held-out problem."""
     started_stack: bool = False
 
 
 def _train(
-    client: openai.OpenAI, console: Console, method: dict[str, Any], training_file: str, timeout_s: float
+    client: openai.OpenAI,
+    console: Console,
+    env_file: str,
+    training_file: str,
+    validation_file: str,
+    timeout_s: float,
 ) -> FollowResult:
     from tunegate.follow import follow_job
 
     job = client.fine_tuning.jobs.create(
         model=BASE_MODEL,
         training_file=training_file,
-        method=method,  # type: ignore[arg-type]  # extensions (environment, extra hyperparameters)
+        validation_file=validation_file,
+        method=environment_method(env_file),  # type: ignore[arg-type]  # the environment extension
         suffix="quickstart",
         seed=1,
     )
+    hp = job.method.reinforcement.hyperparameters if job.method and job.method.reinforcement else None
     console.print(f"job [bold]{job.id}[/bold] created", highlight=False)
+    if hp is not None:
+        extra = hp.model_extra or {}
+        console.print(
+            f"hyperparameters (auto): {hp.batch_size} prompts x {extra.get('num_generations')} answers a "
+            f"step, {hp.n_epochs} epochs, learning rate {extra.get('learning_rate'):.1e}",
+            highlight=False,
+        )
     return follow_job(client, job.id, console=console, poll_s=0.5, timeout_s=timeout_s)
+
+
+def _run_eval(client: openai.OpenAI, eval_id: str, model: str, items: list[dict[str, Any]]) -> Any:
+    """One eval run of `model` on `items` (greedy answers), waited for."""
+    run: Any = client.evals.runs.create(
+        eval_id,
+        name=model,
+        data_source={
+            "type": "completions",
+            "model": model,
+            "input_messages": {
+                "type": "template",
+                "template": [{"role": "user", "content": "{{ item.question }}"}],
+            },
+            "sampling_params": {"temperature": 0.0, "max_completion_tokens": 16},
+            "source": {"type": "file_content", "content": [{"item": item} for item in items]},
+        },
+    )
+    deadline = time.monotonic() + 300
+    while run.status in ("queued", "in_progress"):
+        if time.monotonic() > deadline:
+            raise QuickstartError(f"eval run {run.id} of {model} did not finish within 300 s")
+        time.sleep(0.5)
+        run = client.evals.runs.retrieve(run.id, eval_id=eval_id)
+    if run.status != "completed":
+        raise QuickstartError(f"eval run {run.id} of {model} ended {run.status}: {run.error}")
+    return run
+
+
+def _run_answers(client: openai.OpenAI, eval_id: str, run: Any) -> dict[str, str]:
+    """The run's answer to each question."""
+    answers: dict[str, str] = {}
+    for item in client.evals.runs.output_items.list(run.id, eval_id=eval_id, limit=100):
+        output = item.sample.output[0].content if item.sample.output else ""
+        answers[str(item.datasource_item.get("question"))] = (output or "").strip()
+    return answers
+
+
+def compare_on_heldout(
+    client: openai.OpenAI, report: QuickstartReport, heldout: list[dict[str, Any]]
+) -> None:
+    """Score the base and the fine-tuned model on the held-out problems with one eval (two runs)."""
+    assert report.fine_tuned_model is not None
+    items = [{"question": question_of(t), "answer": str(t["answer"])} for t in heldout]
+    ev = client.evals.create(
+        name="arithmetic held-out",
+        data_source_config={
+            "type": "custom",
+            "item_schema": {
+                "type": "object",
+                "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+                "required": ["question", "answer"],
+            },
+            "include_sample_schema": True,
+        },
+        testing_criteria=[EXACT],  # type: ignore[list-item]
+    )
+    report.eval_id = ev.id
+    base = _run_eval(client, ev.id, BASE_MODEL, items)
+    tuned = _run_eval(client, ev.id, report.fine_tuned_model, items)
+    report.base_exact = base.result_counts.passed / max(base.result_counts.total, 1)
+    report.tuned_exact = tuned.result_counts.passed / max(tuned.result_counts.total, 1)
+    base_answers, tuned_answers = _run_answers(client, ev.id, base), _run_answers(client, ev.id, tuned)
+    report.answers = [
+        (
+            i["question"],
+            i["answer"],
+            base_answers.get(i["question"], ""),
+            tuned_answers.get(i["question"], ""),
+        )
+        for i in items
+    ]
 
 
 def run_tour(
@@ -250,54 +306,70 @@ def run_tour(
     report: QuickstartReport,
     *,
     env_dir: Path = EXAMPLE_ENV,
-    steps: int = 40,
-    job_timeout_s: float = 600.0,
+    job_timeout_s: float = 900.0,
 ) -> QuickstartReport:
-    """Upload, train (environment first, grader if that fails), compare answers and draw the curve."""
+    """Upload, train with the environment, compare base and fine-tuned on held-out problems, draw curves."""
     from rich.table import Table
 
-    from tunegate.plot import save_curve, sparkline
+    from tunegate.plot import save_curves, sparkline
 
-    tasks = env_dir / "tasks.jsonl"
+    tasks, heldout_path = env_dir / "tasks.jsonl", env_dir / "heldout.jsonl"
+    heldout = read_tasks(heldout_path)
     training_file = upload_tasks(client, tasks)
-    result: FollowResult | None = None
-    try:
-        env_file = upload_environment(client, env_dir, report.data_dir / "quickstart")
-        console.print(f"uploaded environment {env_dir.name} as {env_file}", highlight=False)
-        console.rule("reinforcement learning with the environment")
-        result = _train(client, console, environment_method(env_file, steps), training_file, job_timeout_s)
-        report.reward_source = "environment"
-    except Exception as exc:  # noqa: BLE001 - any refusal of the environment path: take the grader path
-        console.print(f"[yellow]the environment path was refused: {exc}[/yellow]", highlight=False)
-    if result is None or result.job.status != "succeeded":
-        console.rule("reinforcement learning with a grader (fallback)")
-        result = _train(client, console, grader_method(steps), training_file, job_timeout_s)
-        report.reward_source = "grader"
+    validation_file = upload_tasks(client, heldout_path)
+    env_file = upload_environment(client, env_dir, report.data_dir / "quickstart")
+    console.print(
+        f"uploaded environment {env_dir.name} ({env_file}), {len(read_tasks(tasks))} training problems and "
+        f"{len(heldout)} held-out problems",
+        highlight=False,
+    )
+    console.rule("reinforcement learning with the environment")
+    result = _train(client, console, env_file, training_file, validation_file, job_timeout_s)
     report.job_id = result.job.id
     report.fine_tuned_model = result.job.fine_tuned_model
     if result.job.status != "succeeded" or not report.fine_tuned_model:
-        raise RuntimeError(f"the quickstart job {result.job.id} ended {result.job.status}")
+        error = result.job.error
+        cause = f": {error.code}: {error.message}" if error is not None and error.message else ""
+        raise QuickstartError(f"the job {result.job.id} ended {result.job.status}{cause}")
 
-    steps_seen, rewards = result.series("reward_mean")
-    report.rewards = rewards
-    if rewards:
-        console.rule("reward per step")
-        console.print(f"{rewards[0]:.3f} {sparkline(rewards)} {rewards[-1]:.3f}", highlight=False)
-        report.png = save_curve(
-            steps_seen,
-            rewards,
-            report.data_dir / "quickstart" / "reward.png",
-            title=f"{report.fine_tuned_model} ({report.reward_source})",
-            ylabel="mean reward",
-        )
-
-    console.rule("base vs fine-tuned")
-    table = Table("prompt", BASE_MODEL, "fine-tuned")
-    for prompt in load_prompts(tasks, 3):
-        row = (prompt, answer(client, BASE_MODEL, prompt), answer(client, report.fine_tuned_model, prompt))
-        report.answers.append(row)
+    console.rule("held-out problems (never trained on)")
+    compare_on_heldout(client, report, heldout)
+    table = Table("question", "answer", BASE_MODEL, "fine-tuned")
+    for row in report.answers[:10]:
         table.add_row(*row)
     console.print(table)
+    console.print(
+        f"[bold]held-out exact answers: base {report.base_exact:.0%} -> fine-tuned {report.tuned_exact:.0%}"
+        "[/bold]",
+        highlight=False,
+    )
+
+    steps, report.rewards = result.series("reward_mean")
+    valid_steps, report.valid_rewards = result.series("valid_reward_mean")
+    if report.rewards:
+        console.rule("reward per step")
+        console.print(
+            f"train      {report.rewards[0]:.3f} {sparkline(report.rewards)} {report.rewards[-1]:.3f}",
+            highlight=False,
+        )
+        if report.valid_rewards:
+            console.print(
+                f"validation {report.valid_rewards[0]:.3f} {sparkline(report.valid_rewards)} "
+                f"{report.valid_rewards[-1]:.3f}",
+                highlight=False,
+            )
+        report.png = save_curves(
+            [
+                ("train (sampled)", steps, report.rewards),
+                ("held-out (greedy)", valid_steps, report.valid_rewards),
+            ],
+            report.data_dir / "quickstart" / "reward.png",
+            title=(
+                f"{BASE_MODEL} learns arithmetic: held-out exact {report.base_exact:.0%} -> "
+                f"{report.tuned_exact:.0%}"
+            ),
+            ylabel="mean reward",
+        )
     return report
 
 
@@ -309,11 +381,12 @@ def print_summary(console: Console, report: QuickstartReport, keep_running: bool
         f"gateway:          {report.base_url}",
         f"organisation:     {report.org_id}",
         f"API key:          {report.api_key}",
-        f"job:              {report.job_id} (rewards from the {report.reward_source})",
+        f"job:              {report.job_id}",
         f"fine-tuned model: {report.fine_tuned_model}",
+        f"held-out eval:    {report.eval_id}",
     ]
     if report.png is not None:
-        lines.append(f"reward curve:     {report.png}")
+        lines.append(f"reward curves:    {report.png}")
     if report.started_stack:
         lines.append(f"stack log:        {report.data_dir / 'stack.log'}")
         lines.append("the stack is still running" if keep_running else "the stack was stopped")
@@ -327,7 +400,6 @@ def run_quickstart(
     console: Console,
     base_url: str,
     keep_running: bool = False,
-    steps: int = 40,
     engine_port: int | None = None,
     env_dir: Path = EXAMPLE_ENV,
 ) -> QuickstartReport:
@@ -362,7 +434,7 @@ def run_quickstart(
         report.org_id, report.api_key = create_tenant(root, admin_key, "quickstart")
         console.print(f"organisation {report.org_id} and a key made with the admin API", highlight=False)
         client = openai.OpenAI(base_url=base_url, api_key=report.api_key, timeout=120, max_retries=2)
-        run_tour(client, console, report, env_dir=env_dir, steps=steps)
+        run_tour(client, console, report, env_dir=env_dir)
     finally:
         if stack is not None and not keep_running:
             console.print("stopping the stack ...", highlight=False)
