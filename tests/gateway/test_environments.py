@@ -31,7 +31,6 @@ HYPERPARAMETERS = {
     "max_completion_length": 40,
     "max_steps": 3,
     "checkpoint_every": 10,
-    "learning_rate_multiplier": 3000,
 }
 PROBE = """import os
 

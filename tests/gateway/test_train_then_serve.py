@@ -89,7 +89,6 @@ def test_trained_model_is_loaded_before_success_and_answers(
                     "max_completion_length": 8,
                     "max_steps": 4,
                     "checkpoint_every": 2,
-                    "learning_rate_multiplier": 1000,
                 },
             },
         },

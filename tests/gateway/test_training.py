@@ -45,6 +45,7 @@ DPO = [
     for i in range(8)
 ]
 RFT = [{"messages": [{"role": "user", "content": f"Say yes ({i})"}], "answer": "yes"} for i in range(8)]
+"""Reinforcement tasks for jobs that are interrupted (learning itself is tested in test_learning.py)."""
 CONTAINS_YES = {
     "type": "string_check",
     "name": "yes",
@@ -84,7 +85,6 @@ def test_supervised_job_succeeds(stack: GatewayServer, worker: WorkerProcess, te
                 "hyperparameters": {
                     "n_epochs": 2,
                     "batch_size": 4,
-                    "learning_rate_multiplier": 10,
                     "checkpoint_every": 2,
                 }
             },
@@ -102,6 +102,11 @@ def test_supervised_job_succeeds(stack: GatewayServer, worker: WorkerProcess, te
     assert ckpts[0].fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-4"
     assert ckpts[0].object == "fine_tuning.job.checkpoint" and ckpts[0].metrics.train_loss is not None
     assert done.fine_tuned_model in [m.id for m in tenant.client.models.list()]
+    # The job shows exactly the hyperparameters the trainer reported using (auto ones resolved at create).
+    shown = done.method.supervised.hyperparameters.model_dump()
+    used = next(e.data for e in all_events(tenant, job.id) if e.message.startswith("Hyperparameters: "))
+    assert used["learning_rate"] > 0 and used["lora_r"] == 8
+    assert all(shown.get(name) == value for name, value in used.items()), (shown, used)
     csv = tenant.client.files.content(done.result_files[0]).read().decode()
     assert csv.splitlines()[0].startswith("step,") and len(csv.splitlines()) == 5
     _assert_adapter_trained(stack, tenant, job.id)
@@ -118,7 +123,6 @@ def test_dpo_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: T
                     "n_epochs": 1,
                     "batch_size": 4,
                     "beta": 0.1,
-                    "learning_rate_multiplier": 20,
                 }
             },
         },
@@ -126,41 +130,6 @@ def test_dpo_job_succeeds(stack: GatewayServer, worker: WorkerProcess, tenant: T
     done = wait_for(tenant, job.id, ("succeeded", "failed"))
     assert done.status == "succeeded", done.error
     assert metrics_steps(tenant, job.id) == [1, 2]
-    _assert_adapter_trained(stack, tenant, job.id)
-
-
-def test_reinforcement_job_learns(stack: GatewayServer, worker: WorkerProcess, tenant: Tenant) -> None:
-    job = tenant.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(tenant, RFT),
-        seed=1,
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": CONTAINS_YES,
-                "hyperparameters": {
-                    "batch_size": 4,
-                    "num_generations": 4,
-                    "max_completion_length": 8,
-                    "learning_rate_multiplier": 3000,
-                    "max_steps": 30,
-                    "n_epochs": 50,
-                    "temperature": 1.0,
-                },
-            },
-        },
-    )
-    done = wait_for(tenant, job.id, ("succeeded", "failed"), timeout=400)
-    assert done.status == "succeeded", done.error
-    rewards = [
-        e.data["reward_mean"]
-        for e in sorted(
-            (e for e in all_events(tenant, job.id) if e.type == "metrics"), key=lambda e: e.data["step"]
-        )
-    ]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.2, (first, last)
     _assert_adapter_trained(stack, tenant, job.id)
 
 

@@ -1,0 +1,177 @@
+"""Learning that shows: each method, through the whole stack with its default hyperparameters, makes
+`tiny-chat` measurably better on held-out problems it never trained on.
+
+The problems are the arithmetic example's: single-digit additions asked as "What is 3 + 4? Reply with the
+number only.", 70 to train on (`tasks.jsonl`) and 30 held out (`heldout.jsonl`). `tiny-chat` knows its sums
+but answers most of them in a sentence, so greedy decoding gets few exactly right (see `trainer.tinydata`).
+Held-out exact match is measured on answers served by the gateway (greedy, through the engine).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.engine import EngineServer
+from tests.support.jobs import all_events, metrics, upload_rows, wait_for
+from tests.support.stack import (
+    Admin,
+    GatewayServer,
+    Services,
+    Tenant,
+    WorkerProcess,
+    drop_database,
+    make_database,
+    start_gateway,
+)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+ARITHMETIC = ROOT / "examples" / "envs" / "arithmetic"
+
+
+def rows(name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (ARITHMETIC / name).read_text().splitlines() if line.strip()]
+
+
+TRAIN, HELDOUT = rows("tasks.jsonl"), rows("heldout.jsonl")
+
+
+def question(task: dict[str, Any]) -> str:
+    return str(task["messages"][0]["content"])
+
+
+def sentence(task: dict[str, Any]) -> str:
+    return f"The answer is {task['answer']}."
+
+
+@pytest.fixture(scope="module")
+def lab(
+    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tenant]:
+    """A gateway, engine and worker on a database of their own, and an organisation on them."""
+    name = f"tunegate_test_{secrets.token_hex(4)}"
+    database = make_database(services.pg_dsn, name)
+    gateway: GatewayServer = start_gateway(
+        services, database, tiny_model_dir, tmp_path_factory.mktemp("learn-data"), upstreams=[engine.url]
+    )
+    worker = WorkerProcess(gateway.settings, tmp_path_factory.mktemp("learn-worker") / "worker.log")
+    assert gateway.settings.admin_key is not None
+    yield Admin(gateway.url, gateway.settings.admin_key.get_secret_value()).tenant("learning")
+    worker.stop()
+    gateway.stop()
+    drop_database(services.pg_dsn, name)
+
+
+def heldout_exact(t: Tenant, model: str) -> float:
+    """Share of held-out problems `model` answers with exactly the number (greedy, served by the gateway)."""
+    right = 0
+    for task in HELDOUT:
+        reply = t.client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question(task)}],
+            max_tokens=16,
+            temperature=0.0,
+        )
+        right += (reply.choices[0].message.content or "").strip() == task["answer"]
+    return right / len(HELDOUT)
+
+
+def train(t: Tenant, method: dict[str, Any], training: list[Any], validation: list[Any]) -> Any:
+    job = t.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload_rows(t, training),
+        validation_file=upload_rows(t, validation, "valid.jsonl"),
+        method=method,  # type: ignore[arg-type]
+        seed=1,
+    )
+    done = wait_for(t, job.id, ("succeeded", "failed", "cancelled"), timeout=900)
+    assert done.status == "succeeded", done.error
+    return done
+
+
+def used_hyperparameters(t: Tenant, job_id: str) -> dict[str, Any]:
+    """The hyperparameters the trainer reported using."""
+    event = next(e for e in all_events(t, job_id) if e.message.startswith("Hyperparameters: "))
+    assert isinstance(event.data, dict)
+    return event.data
+
+
+def test_reinforcement_with_defaults_raises_heldout_exact_match(lab: Tenant, tmp_path: Path) -> None:
+    """RL on the arithmetic environment, every hyperparameter "auto", seed 1.
+
+    Recipe (the defaults tiny-chat ships with): 8 prompts x 8 answers a step, 7 epochs over the 70 tasks
+    (63 steps), LoRA r 8 at lr 5e-4, 16 new tokens, temperature 1, partial credit on. Measured over seeds
+    0-4: held-out exact went from 13% to 63-87% (+50 to +73 points); the gate is +25.
+    """
+    from tests.gateway.test_environments import upload_package
+
+    env = upload_package(lab, ARITHMETIC, tmp_path)
+    job = train(
+        lab,
+        {"type": "reinforcement", "reinforcement": {"environment": {"file_id": env, "config": {}}}},
+        TRAIN,
+        HELDOUT,
+    )
+    shown = job.method.reinforcement.hyperparameters.model_dump()
+    used = used_hyperparameters(lab, job.id)
+    assert all(shown.get(name) == value for name, value in used.items()), (shown, used)
+    points = metrics(lab, job.id)
+    assert points[0]["step"] == 0 and "full_valid_reward_mean" in points[0]  # the base model, scored
+    assert all(p["reward_mean"] is not None for p in points[1:])
+    valid = [p["valid_reward_mean"] for p in points if "valid_reward_mean" in p]
+    assert valid[-1] > valid[0]
+    base, tuned = heldout_exact(lab, "tiny-chat"), heldout_exact(lab, job.fine_tuned_model)
+    assert tuned >= base + 0.25, (base, tuned)
+    checkpoints = lab.client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert all("full_valid_reward_mean" in c.metrics.model_dump() for c in checkpoints)
+    best = next(e for e in all_events(lab, job.id) if e.message.startswith("Best checkpoint"))
+    assert best.data["best_checkpoint_step"] in [c.step_number for c in checkpoints]
+
+
+def test_supervised_with_defaults_raises_heldout_exact_and_lowers_valid_loss(lab: Tenant) -> None:
+    """SFT on the 70 problems answered with the number only, defaults, seed 1.
+
+    Recipe: batch 8, 1 epoch (9 steps), lr 2e-3 (tiny-chat's measured SFT rate). Measured over seeds 0-4:
+    held-out exact 13% -> 90-100%; valid_loss roughly halves.
+    """
+
+    def chat(task: dict[str, Any]) -> dict[str, Any]:
+        return {"messages": [*task["messages"], {"role": "assistant", "content": task["answer"]}]}
+
+    sft = {"type": "supervised", "supervised": {}}
+    job = train(lab, sft, [chat(t) for t in TRAIN], [chat(t) for t in HELDOUT])
+    points = metrics(lab, job.id)
+    first, last = points[0], points[-1]
+    assert first["step"] == 0 and last["full_valid_loss"] < first["full_valid_loss"], (first, last)
+    assert "valid_mean_token_accuracy" in last
+    base, tuned = heldout_exact(lab, "tiny-chat"), heldout_exact(lab, job.fine_tuned_model)
+    assert tuned >= base + 0.25, (base, tuned)
+
+
+def test_dpo_with_defaults_raises_heldout_preference_accuracy(lab: Tenant) -> None:
+    """DPO preferring the bare number to a sentence holding it, defaults, seed 1.
+
+    Preference accuracy: the share of held-out pairs whose preferred answer the model finds more likely
+    (summed log-probabilities), reported as `full_valid_preference_accuracy` before the first step and at
+    the end. Recipe: batch 8, 1 epoch (9 steps), lr 5e-4, beta 0.1. Measured over seeds 0-4: 0.3-0.5 -> 1.0.
+    """
+
+    def pair(task: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "input": {"messages": task["messages"]},
+            "preferred_output": [{"role": "assistant", "content": task["answer"]}],
+            "non_preferred_output": [{"role": "assistant", "content": sentence(task)}],
+        }
+
+    job = train(lab, {"type": "dpo", "dpo": {}}, [pair(t) for t in TRAIN], [pair(t) for t in HELDOUT])
+    points = metrics(lab, job.id)
+    before, after = points[0]["full_valid_preference_accuracy"], points[-1]["full_valid_preference_accuracy"]
+    assert after >= before + 0.25 and after >= 0.8, (before, after)
+    assert heldout_exact(lab, job.fine_tuned_model) > heldout_exact(lab, "tiny-chat")
