@@ -59,3 +59,12 @@ def test_relative_links_resolve() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert broken == []
+
+
+def test_every_hyperparameter_is_in_training_md() -> None:
+    from trainer.spec import HYPERPARAMETERS
+
+    page = (DOCS / "training.md").read_text()
+    names = {name for model in HYPERPARAMETERS.values() for name in model.model_fields}
+    missing = sorted(name for name in names if f"`{name}`" not in page)
+    assert missing == [], f"hyperparameters missing from docs/training.md: {missing}"
