@@ -3,8 +3,9 @@
 
 The problems are the arithmetic example's: single-digit additions asked as "What is 3 + 4? Reply with the
 number only.", 70 to train on (`tasks.jsonl`) and 30 held out (`heldout.jsonl`). `tiny-chat` knows its sums
-but answers many of them in a sentence, so greedy decoding gets under half of them exactly right (see `trainer.tinydata`).
-Held-out exact match is measured on answers served by the gateway (greedy, through the engine).
+but answers many of them in a sentence, so greedy decoding gets under half of them exactly right (see
+`trainer.tinydata`). Held-out exact match is measured on answers served by the gateway (greedy, through the
+engine).
 """
 
 from __future__ import annotations
