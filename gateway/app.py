@@ -47,10 +47,12 @@ class GatewayApp(FastAPI):
     completions it serves itself never enter Starlette's middleware stack (error, telemetry and body-limit
     layers that the proxy path handles on its own)."""
 
-    def __init__(self, *, metrics: Metrics, **kwargs: Any) -> None:
+    def __init__(self, *, metrics: Metrics, max_body_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.state.metrics = metrics
-        self._outer = RequestContextMiddleware(super().__call__, metrics=metrics)
+        self._outer = RequestContextMiddleware(
+            super().__call__, metrics=metrics, max_body_bytes=max_body_bytes
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self
@@ -109,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = GatewayApp(
         metrics=Metrics(),
+        max_body_bytes=settings.max_request_body_bytes,
         title="tunegate",
         version="0.1.0",
         lifespan=lifespan,

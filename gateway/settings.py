@@ -84,6 +84,10 @@ class Settings(BaseSettings):
     """Largest environment package archive."""
     max_json_depth: int = Field(default=64, ge=2)
     """Deepest nesting of arrays and objects in a request body or a JSONL line; deeper JSON is refused."""
+    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Largest body of any request but a file upload (`POST /v1/files` has `max_upload_bytes`): completions,
+    graders, evals, jobs. A declared `Content-Length` over it is refused with 413 before the body is read, a
+    streamed body as soon as it passes it."""
     environment_max_entries: int = 2000
     """Most files and folders an environment package archive may hold."""
     environment_max_unpacked_bytes: int = 100 * 1024 * 1024
