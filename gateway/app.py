@@ -28,6 +28,7 @@ from gateway.limits.guard import Guard
 from gateway.limits.router import router as limits_router
 from gateway.middleware import Metrics, RequestContextMiddleware
 from gateway.models.router import router as models_router
+from gateway.offload import Offload
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
 from gateway.serving.router import router as serving_router
@@ -72,6 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max
         )
         auth = Authenticator(pool, ttl_s=settings.auth_cache_ttl_s)
+        offload = Offload(settings)
         queue = make_queue(settings.redis_url) if settings.redis_url else None
         res = Resources(
             settings=settings,
@@ -81,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
             queue=queue,
             admin_key=settings.admin_key_value(),
             serving=ServingState(settings),
+            offload=offload,
             extras={"started_at": int(time.time())},
         )
         assert res.serving is not None
@@ -108,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
             if queue is not None:
                 await queue.aclose()
             await pool.close()
+            offload.close()
 
     app = GatewayApp(
         metrics=Metrics(),

@@ -21,14 +21,14 @@ router = APIRouter(prefix="/v1/fine_tuning/alpha", tags=["graders"])
 
 @router.post("/graders/run")
 async def run_grader(body: GraderRunRequest, res: ResourcesDep, who: PrincipalDep) -> dict[str, Any]:
-    return await service.run_grader(res, body)
+    return await service.run_grader(res, who.organization_id, body)
 
 
 @router.post("/graders/validate")
 async def validate_grader(
     body: GraderValidateRequest, res: ResourcesDep, who: PrincipalDep
 ) -> GraderValidateResponse:
-    return service.validate(body.grader)
+    return await service.validate(res, who.organization_id, body.grader)
 
 
 @router.post("/environments/run")

@@ -1,11 +1,16 @@
 """Scoring: OpenAI graders and uploaded environments, run off the event loop.
 
-* `run_grader` -- `envsdk.graders.grade` in a worker thread: model graders (`score_model`, `label_model`)
-  call the engine that serves the named base model (`settings.base_models[...].upstreams`), `python`
-  graders run in the sandbox (`envsdk.python_grader`), never in the gateway's process.
-* `validate` -- `envsdk.graders.validate_grader`; a bad grader is a 400 whose `param` names the field.
+* `run_grader` -- `envsdk.graders.grade`: graders that only compute (`string_check`, `text_similarity`)
+  in the CPU pool; the others on a sandbox thread (`gateway.offload`): model graders (`score_model`,
+  `label_model`) call the engine that serves the named base model (`settings.base_models[...].upstreams`),
+  `python` graders run in the sandbox (`envsdk.python_grader`), never in the gateway's process. Texts over
+  `grader_max_text_chars` are refused before any scoring.
+* `validate` -- `gateway.graders.checks.check_grader`; a bad grader is a 400 whose `param` names the field.
 * `run_environment` -- unpacks the caller's environment package (the same caps as its upload check) and
   runs it in the sandbox: scores a literal completion, or plays one episode against a served base model.
+
+Each run holds one of the organisation's slots (`gateway.offload`): one tenant's calls never take the
+threads or the pool that other tenants' requests need.
 """
 
 from __future__ import annotations
@@ -15,18 +20,26 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from envsdk.graders import GraderError, grade, make_sample, parse_tool_calls, validate_grader
+from envsdk.graders import (
+    GraderError,
+    check_texts,
+    computes_only,
+    grade,
+    grade_within,
+    make_sample,
+    parse_tool_calls,
+)
 from gateway.deps import Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, not_found
 from gateway.files import store as files_store
+from gateway.graders.checks import check_grader
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
     EnvironmentRunResponse,
     GraderRunRequest,
     GraderValidateResponse,
 )
+from gateway.offload import offload_of
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -35,16 +48,9 @@ POLICY_MAX_TOKENS = 256
 """Tokens per model turn when a served model plays an episode."""
 
 
-def _check(grader: dict[str, Any]) -> None:
-    try:
-        validate_grader(grader)
-    except GraderError as exc:
-        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
-
-
-def validate(grader: dict[str, Any]) -> GraderValidateResponse:
+async def validate(res: Resources, org_id: str, grader: dict[str, Any]) -> GraderValidateResponse:
     """The grader back when it is valid; else a 400 naming the field."""
-    _check(grader)
+    await check_grader(res, org_id, grader)
     return GraderValidateResponse(grader=grader)
 
 
@@ -81,10 +87,30 @@ def _grade_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
     return result.to_response()
 
 
-async def run_grader(res: Resources, body: GraderRunRequest) -> dict[str, Any]:
+def _grade_within_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
+    """`_grade_sync`, once the texts the grader compares are known to be within the cap."""
+    check_texts(body.grader, body.model_sample, body.item, max_text_chars=settings.grader_max_text_chars)
+    return _grade_sync(settings, body)
+
+
+async def run_grader(res: Resources, org_id: str, body: GraderRunRequest) -> dict[str, Any]:
     """OpenAI's `GraderRunResponse` for one sample."""
-    _check(body.grader)
-    return await anyio.to_thread.run_sync(_grade_sync, res.settings, body)
+    await check_grader(res, org_id, body.grader)
+    most = res.settings.grader_max_text_chars
+    if len(body.model_sample) > most:
+        raise InvalidRequest(
+            f"model_sample is {len(body.model_sample)} characters; graders read at most {most}.",
+            param="model_sample",
+            code="string_above_max_length",
+        )
+    offload = offload_of(res)
+    try:
+        if computes_only(body.grader):
+            graded = await offload.cpu(org_id, grade_within, body.grader, body.model_sample, body.item, most)
+            return graded.to_response()
+        return await offload.thread(org_id, _grade_within_sync, res.settings, body)
+    except GraderError as exc:
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
 
 
 # -- environments ----------------------------------------------------------------------------------------
@@ -221,4 +247,4 @@ async def run_environment(res: Resources, org_id: str, body: EnvironmentRunReque
             )
     archive = res.blobs.path(row["blob_key"])
     run = functools.partial(_run_environment_checked, res.settings, archive, body, upstream)
-    return await anyio.to_thread.run_sync(run)
+    return await offload_of(res).thread(org_id, run)
