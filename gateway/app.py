@@ -111,7 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
             if queue is not None:
                 await queue.aclose()
             await pool.close()
-            offload.close()
+            await asyncio.to_thread(offload.close)
 
     app = GatewayApp(
         metrics=Metrics(),

@@ -10,6 +10,8 @@ Two kinds of work leave the loop:
 * **Computation** (`Offload.cpu`): a single C call that holds the interpreter's lock for its whole run
   (`ast.parse` of a large python grader source, fuzzy matching or ROUGE of long texts) stalls the loop even
   from a thread. It runs in a small pool of processes (`cpu_processes`, spawned on first use) instead.
+  Spawned, like any multiprocessing pool: a program that embeds the gateway guards its main module
+  (`if __name__ == "__main__":`); `tunegate gateway`, `tunegate up` and uvicorn do.
 
 Both count against the calling organisation on this process: it may have `sandbox_slots_per_organization`
 calls of either kind running, and one more is refused at once with 429 `concurrency_limit_exceeded`. So one
@@ -24,6 +26,8 @@ import contextlib
 import functools
 import logging
 import multiprocessing
+import os
+import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -59,19 +63,29 @@ class Offload:
         """Calls of the organisation running now (sandboxed and computed)."""
         return self._running.get(org_id, 0)
 
+    def admit(self, org_id: str) -> None:
+        """429 at once when the organisation has all its calls running: checked before a request does any
+        work of its own (a lookup, an unpacking), which `share` would then refuse."""
+        held = self._running.get(org_id, 0)
+        if held >= self.per_organization:
+            raise self._refusal(held)
+
+    def _refusal(self, held: int) -> RateLimited:
+        return RateLimited(
+            f"Your organization already has {held} sandboxed or CPU-heavy calls running on this gateway "
+            f"(environments/run, graders/run, grader checks, environment uploads), the most it may "
+            "run at once; retry when one finishes.",
+            code="concurrency_limit_exceeded",
+            headers={"retry-after": "1"},
+        )
+
     @contextlib.asynccontextmanager
     async def share(self, org_id: str) -> AsyncIterator[None]:
         """Hold one of the organisation's `sandbox_slots_per_organization` for the block; 429 when it has
         them all."""
         held = self._running.get(org_id, 0)
         if held >= self.per_organization:
-            raise RateLimited(
-                f"Your organization already has {held} sandboxed or CPU-heavy calls running on this gateway "
-                f"(environments/run, graders/run, grader checks, environment uploads), the most it may "
-                "run at once; retry when one finishes.",
-                code="concurrency_limit_exceeded",
-                headers={"retry-after": "1"},
-            )
+            raise self._refusal(held)
         self._running[org_id] = held + 1
         try:
             yield
@@ -110,7 +124,9 @@ class Offload:
         if pool is None:
             # spawned, not forked: the gateway has threads, and a child needs only envsdk
             context = multiprocessing.get_context("spawn")
-            pool = self._pool = ProcessPoolExecutor(max_workers=self.processes, mp_context=context)
+            pool = self._pool = ProcessPoolExecutor(
+                max_workers=self.processes, mp_context=context, initializer=_start_pool_process
+            )
         call = functools.partial(fn, *args, **kwargs)
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, call)
@@ -126,10 +142,32 @@ class Offload:
             ) from None
 
     def close(self) -> None:
-        """Stop the CPU pool's processes (work still queued is dropped)."""
+        """Stop the CPU pool's processes and wait for them (work still queued is dropped). Blocking: the
+        server may end the process with its signal right after the lifespan, before any exit handler."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+
+POOL_NICENESS = 10
+"""How much lower the CPU pool's processes run than the gateway's: a tenant's checks take the CPU that
+serving leaves."""
+
+
+def _start_pool_process() -> None:
+    """In each pool process: run at a lower priority than serving, and exit as soon as the gateway process
+    is gone, however it went (a process left waiting on the pool's queue would never learn it)."""
+    with contextlib.suppress(OSError):
+        os.nice(POOL_NICENESS)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def offload_of(res: Resources) -> Offload:
