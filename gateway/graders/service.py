@@ -227,6 +227,7 @@ def _run_environment_checked(
 
 async def run_environment(res: Resources, org_id: str, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
     """Score `completion` (or let `model` play) with the caller's environment package."""
+    offload_of(res).admit(org_id)
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
     if row is None:
         raise not_found("file", body.file_id, param="file_id")
