@@ -84,10 +84,11 @@ class Settings(BaseSettings):
     """Largest environment package archive."""
     max_json_depth: int = Field(default=64, ge=2)
     """Deepest nesting of arrays and objects in a request body or a JSONL line; deeper JSON is refused."""
-    max_request_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_request_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
     """Largest body of any request but a file upload (`POST /v1/files` has `max_upload_bytes`): completions,
     graders, evals, jobs. A declared `Content-Length` over it is refused with 413 before the body is read, a
-    streamed body as soon as it passes it."""
+    streamed body as soon as it passes it. JSON is parsed on the event loop (2 MiB of escaped text: about
+    10 ms), so this also bounds how long one request can hold everyone else's."""
     grader_max_source_bytes: int = Field(default=256 * 1024, ge=1)
     """Largest `source` of a python grader, in UTF-8 bytes (OpenAI's limit); checked before it is parsed."""
     grader_max_text_chars: int = Field(default=32 * 1024, ge=1)

@@ -129,8 +129,9 @@ def test_multi_megabyte_python_sources_are_refused_before_any_parse(
     gw: GatewayServer, a: Tenant, b: Tenant
 ) -> None:
     cap = gw.settings.grader_max_source_bytes
-    huge = GRADE + "x = 1\n" * (4 * MB // 6)  # 4 MB, under the body cap, over the source cap
-    grader = {"type": "python", "name": "big", "source": huge}
+    big = GRADE + "x = 1\n" * (MB // 6)  # 1 MB: under the body cap, over the source cap
+    grader = {"type": "python", "name": "big", "source": big}
+    huge = {"grader": {"type": "python", "source": GRADE + "x = 1\n" * (4 * MB // 6)}}  # over the body cap
     job = {
         "model": "tiny-chat",
         "training_file": "file-unused",
@@ -148,6 +149,7 @@ def test_multi_megabyte_python_sources_are_refused_before_any_parse(
                 lambda: http.post("/v1/fine_tuning/alpha/graders/run", json=run),
                 lambda: http.post("/v1/fine_tuning/jobs", json=job),
                 lambda: http.post("/v1/evals", json=evaluation),
+                lambda: http.post("/v1/fine_tuning/alpha/graders/validate", json=huge),
             ],
             b,
         )
@@ -157,9 +159,11 @@ def test_multi_megabyte_python_sources_are_refused_before_any_parse(
         "method.reinforcement.grader.source",
         "testing_criteria[0].source",
     ]
-    for answer, param in zip(answers, [p for p in params for _ in range(3)], strict=True):
+    for answer, param in zip(answers[:12], [p for p in params for _ in range(3)], strict=True):
         error = refused(answer, 400, param, "string_above_max_length")
         assert str(cap) in error["message"]
+    for answer in answers[12:]:
+        refused(answer, 413, None, "request_too_large")
 
 
 def test_large_sources_under_the_cap_are_parsed_off_the_loop(gw: GatewayServer, a: Tenant, b: Tenant) -> None:
@@ -242,7 +246,7 @@ def test_a_ten_megabyte_prompt_is_refused_and_a_long_one_never_tokenized(
 ) -> None:
     cap = gw.settings.max_request_body_bytes
     huge = "lorem ipsum " * (10 * MB // 12)  # 10 MB: over the body cap
-    long = "lorem ipsum " * (2 * MB // 12)  # 2 MB: under it, far over the tiny model's context
+    long = "lorem ipsum " * (MB // 12)  # 1 MB: under it, far over the tiny model's context
     chat = "/v1/chat/completions"
 
     def chunks(data: bytes) -> Iterator[bytes]:
