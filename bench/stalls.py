@@ -44,7 +44,8 @@ RETRY_S = 0.1
 GOAL = 2.0
 """B's attacked p99 over its idle p99 that the gateway aims to stay within."""
 GRADE = "def grade(sample, item):\n    return 1.0\n"
-CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 4}
+QUESTION = {"role": "user", "content": "What is 2 + 2?"}
+CHAT = {"model": "tiny-chat", "messages": [QUESTION], "max_tokens": 4}
 SLEEPY = """import time
 
 from envsdk import SingleTurnEnv
@@ -204,7 +205,7 @@ async def _b_clients(url: str, key: str, seconds: float) -> tuple[list[float], i
 
 def _b_other(url: str, key: str) -> tuple[bool, bool]:
     """One file upload and one model list of B's: whether each succeeded."""
-    row = {"messages": [CHAT["messages"][0], {"role": "assistant", "content": "4"}]}
+    row = {"messages": [QUESTION, {"role": "assistant", "content": "4"}]}
     with httpx.Client(
         base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60, trust_env=False
     ) as http:
@@ -283,7 +284,7 @@ def run(opts: Options) -> dict[str, Any]:
                 base_url=url, headers={"Authorization": f"Bearer {a_key}"}, timeout=120, trust_env=False
             ) as http:
                 file_id = _upload_sleepy(http, work / f"pkg-{secrets.token_hex(3)}")
-            run_body = {"file_id": file_id, "task": {"messages": CHAT["messages"]}, "completion": "4"}
+            run_body = {"file_id": file_id, "task": {"messages": [QUESTION]}, "completion": "4"}
             env_run = json.dumps(run_body).encode()
         result = _measure(url, b_key, a_key, env_run, rounds, slice_s)
     finally:
