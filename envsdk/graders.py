@@ -16,6 +16,11 @@ available offline), ``multi`` (``calculate_output`` evaluated by ``simpleeval`` 
 source's ``grade(sample, item)`` run in the sandbox by ``envsdk.python_grader``; never in this process --
 a crash or a timeout there is ``python_grader_runtime_error``, reward 0).
 
+Model graders ask for at most ``MODEL_GRADER_DEFAULT_MAX_TOKENS`` tokens unless their ``sampling_params``
+name ``max_completion_tokens`` (OpenAI's ``max_completions_tokens``, or ``max_tokens``); a grader that asks
+for more than ``MODEL_GRADER_MAX_TOKENS`` is invalid. ``model_fields(grader)`` lists the models a grader
+calls with the path of each field, so a server can check that the caller may use them before grading.
+
 Templates: ``{{ item.a.b }}``, ``{{ item.list[0] }}``, ``{{ sample.output_text }}``,
 ``{{ sample.output_json }}``, ``{{ sample.output_tools }}``; non-string values render as JSON.
 """
@@ -74,6 +79,14 @@ MAX_FORMULA_CHARS = 1000
 """Longest ``calculate_output`` of a ``multi`` grader."""
 CPU_TYPES = frozenset({"string_check", "text_similarity"})
 """Grader types that only compute (no model, no sandbox): see ``computes_only``."""
+MODEL_GRADER_DEFAULT_MAX_TOKENS = 256
+"""Tokens a model grader's reply may have when its ``sampling_params`` name no cap (a score or a label, and
+some words around it)."""
+MODEL_GRADER_MAX_TOKENS = 4096
+"""The largest cap a model grader may ask for; more is refused by ``validate_grader``."""
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_completions_tokens", "max_tokens")
+"""Names a model grader's token cap may have in ``sampling_params`` (OpenAI's graders spell it
+``max_completions_tokens``); each is sent as ``max_completion_tokens``."""
 
 ERROR_FLAGS = (
     "formula_parse_error",
@@ -320,6 +333,7 @@ def validate_grader(
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or "content" not in msg:
                 raise GraderError("each input message needs a role and content", f"{param}.input[{i}]")
+        _check_sampling(grader.get("sampling_params"), f"{param}.sampling_params")
         if gtype == "score_model":
             rng = grader.get("range", [0, 1])
             if (
@@ -355,6 +369,51 @@ def _require_str(grader: dict[str, Any], keys: tuple[str, ...], param: str) -> N
     for key in keys:
         if not isinstance(grader.get(key), str):
             raise GraderError(f"{key} must be a string", f"{param}.{key}")
+
+
+def _check_sampling(params: Any, param: str) -> None:
+    """A model grader's ``sampling_params``: an object whose token cap is an integer from 1 to
+    ``MODEL_GRADER_MAX_TOKENS``."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise GraderError("sampling_params must be an object", param)
+    for name in MAX_TOKENS_FIELDS:
+        value = params.get(name)
+        if value is None:
+            continue
+        if type(value) is not int or not 1 <= value <= MODEL_GRADER_MAX_TOKENS:
+            raise GraderError(
+                f"{name} must be an integer from 1 to {MODEL_GRADER_MAX_TOKENS}", f"{param}.{name}"
+            )
+
+
+def model_sampling(params: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampling parameters a model grader sends: its own, with the token cap as ``max_completion_tokens``
+    (``MODEL_GRADER_DEFAULT_MAX_TOKENS`` when it names none, never more than ``MODEL_GRADER_MAX_TOKENS``)."""
+    out = dict(params or {})
+    caps = [out.pop(name) for name in MAX_TOKENS_FIELDS if name in out]
+    given = [c for c in caps if type(c) is int and c >= 1]
+    cap = given[0] if given else MODEL_GRADER_DEFAULT_MAX_TOKENS
+    out["max_completion_tokens"] = min(cap, MODEL_GRADER_MAX_TOKENS)
+    return out
+
+
+def model_fields(grader: dict[str, Any], *, param: str = "grader") -> list[tuple[str, str]]:
+    """``(model, path of its field)`` for every model a grader calls (sub-graders of ``multi`` too), in the
+    ``param`` spelling of ``validate_grader``: ``grader.model``, ``grader.graders.judge.model``."""
+    out: list[tuple[str, str]] = []
+    if grader.get("type") in ("score_model", "label_model") and isinstance(grader.get("model"), str):
+        out.append((grader["model"], f"{param}.model"))
+    if grader.get("type") == "multi":
+        try:
+            subs = _sub_graders(grader, param)
+        except GraderError:
+            subs = {}
+        for name, sub in subs.items():
+            if isinstance(sub, dict):
+                out.extend(model_fields(sub, param=f"{param}.graders.{name}"))
+    return out
 
 
 def _sub_graders(grader: dict[str, Any], param: str) -> dict[str, dict[str, Any]]:
@@ -751,7 +810,8 @@ def _model_grade(
         )
     messages = _render_messages(list(grader["input"]), sample, item)
     model = str(grader["model"])
-    params = dict(grader.get("sampling_params") or {})
+    sampling = grader.get("sampling_params")
+    params = model_sampling(sampling if isinstance(sampling, dict) else None)
     try:
         reply = inference.chat(model, messages, **params)
     except InferenceError as exc:

@@ -50,12 +50,11 @@ async def get_pool(res: ResourcesDep) -> asyncpg.Pool:
 PoolDep = Annotated[asyncpg.Pool, Depends(get_pool)]
 
 
-async def get_principal(
-    res: ResourcesDep, authorization: Annotated[str | None, Header()] = None
-) -> Principal:
-    """The calling organisation, from a live API key of a person (keys minted for an eval run or a job may
-    call the inference routes only, see `gateway.tenancy.scoped`)."""
-    who = await res.auth.authenticate(bearer_token(authorization))
+async def authenticate_person(res: Resources, token: str) -> Principal:
+    """The organisation of a live API key of a person. Every route but the inference routes authenticates
+    with it (through `PrincipalDep`, `CallerDep`, or directly, as the usage routes do): a key minted for an
+    eval run or a job may call the inference routes only (`gateway.tenancy.scoped`), so it is 403 here."""
+    who = await res.auth.authenticate(token)
     if who.kind != "user":
         raise PermissionDenied(
             f"This key was minted for the gateway's own work (kind '{who.kind}') and may call only the "
@@ -64,7 +63,31 @@ async def get_principal(
     return who
 
 
+async def get_principal(
+    res: ResourcesDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    """The calling organisation, from a live API key of a person."""
+    return await authenticate_person(res, bearer_token(authorization))
+
+
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """The calling organisation and the key it called with: a request that makes model calls of its own
+    (`graders/run`, `environments/run`) makes them with this key (`gateway.serving.calls`)."""
+
+    principal: Principal
+    key: str = field(repr=False)
+
+
+async def get_caller(res: ResourcesDep, authorization: Annotated[str | None, Header()] = None) -> Caller:
+    token = bearer_token(authorization)
+    return Caller(await authenticate_person(res, token), token)
+
+
+CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
 async def require_admin(res: ResourcesDep, authorization: Annotated[str | None, Header()] = None) -> None:

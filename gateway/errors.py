@@ -110,7 +110,8 @@ class ServiceUnavailable(APIError):
 
 
 class UpstreamError(APIError):
-    """An inference engine answered with an error; status and body are passed on in OpenAI's shape."""
+    """An inference engine answered with an error, or the gateway's own chat route refused a model call made
+    for a request (`gateway.serving.calls`); status and body are passed on in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, *, type_: str, param: str | None, code: str | None) -> None:
         super().__init__(message, param=param, code=code)

@@ -172,10 +172,11 @@ class Settings(BaseSettings):
     """How often a worker compares a running job's organisation (month-to-date spend plus the run's cost so
     far) against its monthly budget; over it, the job is paused (resumable once the budget is raised)."""
     gateway_url: str | None = None
-    """Internal URL (without `/v1`) at which workers reach a gateway, e.g. `http://tunegate-gateway:8000`:
-    eval runs sample models and call model graders through it with a key minted for the run, so they are
-    scoped, limited and metered like any client. Unset: `http://<host>:<port>` (`127.0.0.1` when `host`
-    binds every address)."""
+    """Internal URL (without `/v1`) at which workers, trainers and the gateway itself reach a gateway, e.g.
+    `http://tunegate-gateway:8000`: every model call a tenant causes besides its own chats goes through its
+    chat route (eval runs and training jobs with a key minted for the work, `graders/run` and
+    `environments/run` with the caller's key), so it is scoped, limited and metered like any client's.
+    Unset: `http://<host>:<port>` (`127.0.0.1` when `host` binds every address)."""
     eval_run_slots: int = Field(default=2, ge=1)
     """Eval runs one worker executes at once, besides its training slots."""
 

@@ -6,7 +6,9 @@ TRL calls ``reward(prompts, completions, completion_ids, trainer_state, log_extr
 original JSON row, kept in ``ITEM_COLUMN``) the grader's ``item``. Grading failures score 0 and are counted
 in the ``grader_error_rate`` metric, so a broken template shows up in the job's events instead of silently
 flattening the rewards. ``python`` graders run in the sandbox (``envsdk.python_grader``), one process per
-grader source for the whole job.
+grader source for the whole job. Model graders call ``spec.inference_base_url``: under tunegate the gateway's
+own chat route, with a key the worker minted for the job's organisation (``INFERENCE_KEY_ENV``), so each call
+is checked, limited, held to the budget and metered like the organisation's own requests.
 """
 
 from __future__ import annotations
@@ -14,18 +16,19 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from envsdk.graders import GraderError, GradeResult, grade, make_sample, validate_grader
+from envsdk.graders import GraderError, GradeResult, grade, make_sample, model_fields, validate_grader
 from envsdk.inference_client import InferenceClient
 from envsdk.manifest import Maxima
 from envsdk.python_grader import PythonGraders
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
-from trainer.spec import TrainerSpec
+from trainer.spec import INFERENCE_KEY_ENV, TrainerSpec
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession
@@ -51,12 +54,10 @@ def completion_sample(completion: Any) -> dict[str, Any]:
     return sample
 
 
-def _uses_model(grader: dict[str, Any]) -> bool:
-    if grader.get("type") in ("score_model", "label_model"):
-        return True
-    subs = grader.get("graders")
-    values = subs.values() if isinstance(subs, dict) else subs if isinstance(subs, list) else []
-    return any(isinstance(s, dict) and _uses_model(s) for s in values)
+def inference_api_key(spec: TrainerSpec) -> str | None:
+    """The key model graders call ``inference_base_url`` with: ``INFERENCE_KEY_ENV`` when set (the worker
+    passes the job's key that way, so it is in no file), else the spec's ``inference_api_key``."""
+    return os.environ.get(INFERENCE_KEY_ENV) or spec.inference_api_key
 
 
 def grader_reward_name(grader: dict[str, Any]) -> str:
@@ -76,10 +77,10 @@ def build_grader_reward(spec: TrainerSpec) -> RewardFunc:
         where = f" ({exc.param})" if exc.param else ""
         raise TrainerError("grader_error", f"invalid grader{where}: {exc.message}") from None
     inference: InferenceClient | None = None
-    if _uses_model(grader):
+    if model_fields(grader):
         if not spec.inference_base_url:
             raise TrainerError("grader_error", "model graders need inference_base_url in the spec")
-        inference = InferenceClient(spec.inference_base_url, spec.inference_api_key)
+        inference = InferenceClient(spec.inference_base_url, inference_api_key(spec))
     pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="grader") if inference else None
     python = PythonGraders(
         allow_unsandboxed=spec.allow_unsandboxed, maxima=Maxima.from_dict(spec.sandbox_maxima)

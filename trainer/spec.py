@@ -36,6 +36,9 @@ from pydantic import (
 METHODS = ("supervised", "dpo", "reinforcement")
 Method = Literal["supervised", "dpo", "reinforcement"]
 Auto = Literal["auto"]
+INFERENCE_KEY_ENV = "TRAINER_INFERENCE_API_KEY"
+"""The environment variable that carries the key for ``TrainerSpec.inference_base_url`` (the worker sets it
+to a key minted for the job's organisation; the spec file holds no secret)."""
 DEFAULTS_FILE = "tunegate_defaults.json"
 """A base model folder's measured training defaults: ``{"learning_rates": {method: lr}, "hyperparameters":
 {method: {name: value}}}`` (both optional)."""
@@ -366,9 +369,11 @@ class TrainerSpec(BaseModel):
     environment: EnvironmentSpec | None = None
     """Reinforcement: an uploaded environment package."""
     inference_base_url: str | None = None
-    """OpenAI-compatible base URL (``.../v1``) for model graders."""
+    """OpenAI-compatible base URL (``.../v1``) for model graders: the worker sets the gateway's own
+    (``Settings.internal_gateway_url``), never an engine's, when the grader calls a model."""
     inference_api_key: str | None = None
-    """Bearer key for ``inference_base_url``."""
+    """Bearer key for ``inference_base_url`` when the environment variable ``INFERENCE_KEY_ENV`` is unset
+    (the worker passes the job's key in that variable, not in this file)."""
     use_vllm: bool = False
     """Reinforcement on CUDA: generate with vLLM (colocated). Ignored on a CPU."""
     allow_unsandboxed: bool = False

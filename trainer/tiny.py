@@ -45,7 +45,7 @@ CORPUS_RESOURCE = "corpus.txt"
 SHIPPED_RESOURCE = "tiny-chat"
 """Folder of the shipped weights inside ``trainer/data``."""
 TRAINING_DEFAULTS: dict[str, Any] = {
-    "learning_rates": {"supervised": 2e-3, "dpo": 5e-4, "reinforcement": 5e-4},
+    "learning_rates": {"supervised": 2e-3, "dpo": 2e-3, "reinforcement": 5e-4},
     "hyperparameters": {
         "reinforcement": {"batch_size": 8, "num_generations": 8, "max_completion_length": 16, "min_steps": 60}
     },
@@ -272,6 +272,8 @@ def build_tiny_model(out_dir: str | Path, recipe: TinyRecipe = TinyRecipe()) -> 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    from trainer.tinydata import heldout_split
+
     started = time.monotonic()
     out = Path(out_dir)
     tokenizer = build_tokenizer(recipe)
@@ -309,12 +311,14 @@ def build_tiny_model(out_dir: str | Path, recipe: TinyRecipe = TinyRecipe()) -> 
         model.save_pretrained(tmp)
         (tmp / "special_tokens_map.json").unlink(missing_ok=True)
         exact = addition_exact(tmp) if recipe.steps > 0 else 0.0
+        heldout = addition_exact(tmp, heldout_split()[1]) if recipe.steps > 0 else 0.0
         n_params = sum(p.numel() for p in model.parameters())
         record = {
             "recipe": asdict(recipe),
             "parameters": n_params,
             "final_loss": round(loss, 4),
             "addition_greedy_exact": exact,
+            "heldout_greedy_exact": heldout,
             "build_seconds": round(time.monotonic() - started, 1),
         }
         (tmp / "recipe.json").write_text(json.dumps(record, indent=2) + "\n")

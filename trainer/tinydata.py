@@ -8,9 +8,10 @@ a signal to climb and its gain can be measured on problems it never trained on. 
   only."). The sums are always right, but like a base model that was never tuned to follow instructions,
   the answers follow the instruction only some of the time, more for some problems than for others
   (`number_only_share`); the rest are sentences that contain the sum ("The answer is 7.", "3 + 4 = 7.",
-  "It is 7."). Greedy decoding therefore answers with the bare number for about a quarter of the problems,
-  while nearly every sampled answer holds the right number and every problem is sometimes answered with the
-  number only: exactly the gap that an exact-match reward teaches it to close, on held-out problems too.
+  "It is 7."). Greedy decoding therefore answers with the bare number for only some of the problems (the
+  shipped weights: 54 of the 100, 13 of the 30 held out; see their `recipe.json`), while nearly every
+  sampled answer holds the right number and every problem is sometimes answered with the number only:
+  exactly the gap that an exact-match reward teaches it to close, on held-out problems too.
 - sums, products and comparisons of larger numbers in other phrasings, so that numbers mean something.
 
 Everything is generated from a seeded `random.Random`: the same seed gives the same chats.

@@ -47,7 +47,8 @@ class EnvironmentRunRequest(OpenAIBaseModel):
     """The assistant's reply to score (single-turn), or its first turn (multi-turn: one `step`; a
     `<tool_call>{...}</tool_call>` block in it is a tool call the environment runs)."""
     model: str | None = None
-    """Instead of `completion`: a base model the gateway serves, which plays the whole episode."""
+    """Instead of `completion`: a model the caller may chat with (a base model, or a fine-tuned model or
+    checkpoint of its organisation), which plays the whole episode through the gateway's chat route."""
     max_turns: int | None = Field(default=None, ge=1, le=64)
     """Turn cap of a played episode (the package's own cap applies too)."""
 

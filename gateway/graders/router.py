@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.deps import CallerDep, PrincipalDep, ResourcesDep
 from gateway.graders import service
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
@@ -20,8 +20,8 @@ router = APIRouter(prefix="/v1/fine_tuning/alpha", tags=["graders"])
 
 
 @router.post("/graders/run")
-async def run_grader(body: GraderRunRequest, res: ResourcesDep, who: PrincipalDep) -> dict[str, Any]:
-    return await service.run_grader(res, who.organization_id, body)
+async def run_grader(body: GraderRunRequest, res: ResourcesDep, who: CallerDep) -> dict[str, Any]:
+    return await service.run_grader(res, who, body)
 
 
 @router.post("/graders/validate")
@@ -33,6 +33,6 @@ async def validate_grader(
 
 @router.post("/environments/run")
 async def run_environment(
-    body: EnvironmentRunRequest, res: ResourcesDep, who: PrincipalDep
+    body: EnvironmentRunRequest, res: ResourcesDep, who: CallerDep
 ) -> EnvironmentRunResponse:
-    return await service.run_environment(res, who.organization_id, body)
+    return await service.run_environment(res, who, body)

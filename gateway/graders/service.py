@@ -1,13 +1,19 @@
 """Scoring: OpenAI graders and uploaded environments, run off the event loop.
 
 * `run_grader` -- `envsdk.graders.grade`: graders that only compute (`string_check`, `text_similarity`)
-  in the CPU pool; the others on a sandbox thread (`gateway.offload`): model graders (`score_model`,
-  `label_model`) call the engine that serves the named base model (`settings.base_models[...].upstreams`),
-  `python` graders run in the sandbox (`envsdk.python_grader`), never in the gateway's process. Texts over
-  `grader_max_text_chars` are refused before any scoring.
+  in the CPU pool, the others on a sandbox thread (`gateway.offload`): `python` graders run in the sandbox
+  (`envsdk.python_grader`), never in the gateway's process; model graders (`score_model`, `label_model`)
+  call the gateway's own chat route with the caller's key (`gateway.serving.calls`), never an engine.
+  Texts over `grader_max_text_chars` are refused before any scoring.
 * `validate` -- `gateway.graders.checks.check_grader`; a bad grader is a 400 whose `param` names the field.
 * `run_environment` -- unpacks the caller's environment package (the same caps as its upload check) and
-  runs it in the sandbox: scores a literal completion, or plays one episode against a served base model.
+  runs it in the sandbox: scores a literal completion, or plays one episode with a model, whose turns are
+  asked of the gateway's chat route with the caller's key too.
+
+So a model a request names must be one the caller may use: it is looked up as the chat route looks it up
+before any work (an unknown model and another organisation's answer the same 404 `model_not_found`), and
+each of its calls is rate-limited, held to the budget and metered as a chat of the caller; a call the
+gateway refuses (429 over a rate limit or the budget) is the request's own answer.
 
 Each run holds one of the organisation's slots (`gateway.offload`): one tenant's calls never take the
 threads or the pool that other tenants' requests need.
@@ -27,9 +33,10 @@ from envsdk.graders import (
     grade,
     grade_within,
     make_sample,
+    model_fields,
     parse_tool_calls,
 )
-from gateway.deps import Resources
+from gateway.deps import Caller, Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.graders.checks import check_grader
@@ -40,6 +47,7 @@ from gateway.graders.protocol import (
     GraderValidateResponse,
 )
 from gateway.offload import offload_of
+from gateway.serving.calls import GatewayModels, check_models
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -54,47 +62,31 @@ async def validate(res: Resources, org_id: str, grader: dict[str, Any]) -> Grade
     return GraderValidateResponse(grader=grader)
 
 
-def _models(grader: dict[str, Any]) -> list[str]:
-    subs = grader.get("graders")
-    values = subs.values() if isinstance(subs, dict) else subs if isinstance(subs, list) else []
-    names = [str(grader["model"])] if isinstance(grader.get("model"), str) else []
-    return names + [m for s in values if isinstance(s, dict) for m in _models(s)]
-
-
-def _upstream(settings: Settings, model: str | None) -> str | None:
-    """The first engine serving ``model`` (a base model); else the first engine of any base model."""
-    if model in settings.base_models and settings.base_models[model].upstreams:
-        return settings.base_models[model].upstreams[0].rstrip("/")
-    return next((m.upstreams[0].rstrip("/") for m in settings.base_models.values() if m.upstreams), None)
-
-
-def _grade_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
-    from envsdk.inference_client import InferenceClient
+def _grade_sync(settings: Settings, key: str, body: GraderRunRequest) -> dict[str, Any]:
     from envsdk.python_grader import PythonGraders
 
-    models = _models(body.grader)
-    upstream = _upstream(settings, models[0]) if models else None
-    inference = InferenceClient(f"{upstream}/v1") if upstream else None
-    try:
-        with PythonGraders(
+    with (
+        GatewayModels(settings, key) as models,
+        PythonGraders(
             allow_unsandboxed=settings.allow_unsandboxed_environments, maxima=settings.sandbox_maxima()
-        ) as python:
-            sample = make_sample(body.model_sample)
-            result = grade(body.grader, sample, body.item or {}, inference=inference, python=python)
-    finally:
-        if inference is not None:
-            inference.close()
+        ) as python,
+    ):
+        inference = models.inference() if model_fields(body.grader) else None
+        sample = make_sample(body.model_sample)
+        result = grade(body.grader, sample, body.item or {}, inference=inference, python=python)
+    models.raise_refusal()
     return result.to_response()
 
 
-def _grade_within_sync(settings: Settings, body: GraderRunRequest) -> dict[str, Any]:
+def _grade_within_sync(settings: Settings, key: str, body: GraderRunRequest) -> dict[str, Any]:
     """`_grade_sync`, once the texts the grader compares are known to be within the cap."""
     check_texts(body.grader, body.model_sample, body.item, max_text_chars=settings.grader_max_text_chars)
-    return _grade_sync(settings, body)
+    return _grade_sync(settings, key, body)
 
 
-async def run_grader(res: Resources, org_id: str, body: GraderRunRequest) -> dict[str, Any]:
+async def run_grader(res: Resources, who: Caller, body: GraderRunRequest) -> dict[str, Any]:
     """OpenAI's `GraderRunResponse` for one sample."""
+    org_id = who.principal.organization_id
     await check_grader(res, org_id, body.grader)
     most = res.settings.grader_max_text_chars
     if len(body.model_sample) > most:
@@ -103,12 +95,13 @@ async def run_grader(res: Resources, org_id: str, body: GraderRunRequest) -> dic
             param="model_sample",
             code="string_above_max_length",
         )
+    await check_models(res, who.principal, model_fields(body.grader))
     offload = offload_of(res)
     try:
         if computes_only(body.grader):
             graded = await offload.cpu(org_id, grade_within, body.grader, body.model_sample, body.item, most)
             return graded.to_response()
-        return await offload.thread(org_id, _grade_within_sync, res.settings, body)
+        return await offload.thread(org_id, _grade_within_sync, res.settings, who.key, body)
     except GraderError as exc:
         raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
 
@@ -152,11 +145,11 @@ def _first_turn(sandbox: Any, task: dict[str, Any], completion: str) -> Environm
 
 
 def _run_environment_sync(
-    settings: Settings, archive: Path, body: EnvironmentRunRequest, upstream: str | None
+    settings: Settings, archive: Path, body: EnvironmentRunRequest, models: GatewayModels
 ) -> EnvironmentRunResponse:
     from envsdk.archive import safe_extract
     from envsdk.errors import EnvSDKError
-    from envsdk.rollout import openai_policy, run_episode, run_single_turn
+    from envsdk.rollout import run_episode, run_single_turn
     from envsdk.sandbox import Sandbox, owned_workdir
 
     with owned_workdir("run") as workdir:  # removed at the next start if this process dies first
@@ -188,10 +181,7 @@ def _run_environment_sync(
                 else:
                     return _first_turn(sandbox, body.task, body.completion).model_copy(update={"kind": kind})
             else:
-                import openai
-
-                client = openai.OpenAI(base_url=f"{upstream}/v1", api_key="tunegate", max_retries=0)
-                policy = openai_policy(client, str(body.model), max_tokens=POLICY_MAX_TOKENS)
+                policy = models.policy(str(body.model), max_tokens=POLICY_MAX_TOKENS)
                 if kind == "single_turn":
                     result = run_single_turn(sandbox, body.task, policy)
                 else:
@@ -212,21 +202,33 @@ def _run_environment_sync(
 
 
 def _run_environment_checked(
-    settings: Settings, archive: Path, body: EnvironmentRunRequest, upstream: str | None
+    settings: Settings, archive: Path, body: EnvironmentRunRequest, key: str
 ) -> EnvironmentRunResponse:
     """`_run_environment_sync`, with a malformed answer from the package (untrusted code: a reward that is
     not a number, an episode without an id, messages that are not messages) as an error result of the run,
-    never a failure of the request."""
-    try:
-        return _run_environment_sync(settings, archive, body, upstream)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        logger.info("environment %s answered with something malformed", body.file_id, exc_info=True)
-        error = f"protocol_error: the environment's answer is malformed ({type(exc).__name__}: {exc})"
-        return EnvironmentRunResponse(reward=None, error=error[:MAX_MESSAGE_CHARS], stop_reason="error")
+    never a failure of the request; a model turn the gateway refused is the request's answer."""
+    with GatewayModels(settings, key) as models:
+        try:
+            result = _run_environment_sync(settings, archive, body, models)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            logger.info("environment %s answered with something malformed", body.file_id, exc_info=True)
+            error = f"protocol_error: the environment's answer is malformed ({type(exc).__name__}: {exc})"
+            result = EnvironmentRunResponse(reward=None, error=error[:MAX_MESSAGE_CHARS], stop_reason="error")
+        except Exception as exc:  # a single-turn episode's model call that failed ends up here
+            import openai
+
+            models.raise_refusal()
+            if not isinstance(exc, openai.APIError):
+                raise
+            error = f"policy failed: {type(exc).__name__}: {exc}"
+            result = EnvironmentRunResponse(reward=None, error=error[:MAX_MESSAGE_CHARS], stop_reason="error")
+    models.raise_refusal()
+    return result
 
 
-async def run_environment(res: Resources, org_id: str, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
+async def run_environment(res: Resources, who: Caller, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
     """Score `completion` (or let `model` play) with the caller's environment package."""
+    org_id = who.principal.organization_id
     offload_of(res).admit(org_id)
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
     if row is None:
@@ -239,13 +241,8 @@ async def run_environment(res: Resources, org_id: str, body: EnvironmentRunReque
         )
     if (body.completion is None) == (body.model is None):
         raise InvalidRequest("Give exactly one of 'completion' or 'model'.", param="completion")
-    upstream = None
     if body.model is not None:
-        upstream = _upstream(res.settings, body.model)
-        if body.model not in res.settings.base_models or upstream is None:
-            raise InvalidRequest(
-                f"Model '{body.model}' is not a base model served by this gateway.", param="model"
-            )
+        await check_models(res, who.principal, [(body.model, "model")])
     archive = res.blobs.path(row["blob_key"])
-    run = functools.partial(_run_environment_checked, res.settings, archive, body, upstream)
+    run = functools.partial(_run_environment_checked, res.settings, archive, body, who.key)
     return await offload_of(res).thread(org_id, run)

@@ -13,6 +13,7 @@ import anyio
 import asyncpg
 import orjson
 
+from envsdk.graders import model_fields
 from gateway.deps import Resources
 from gateway.errors import Conflict, InsufficientQuota, InvalidRequest, not_found
 from gateway.files import store as files_store
@@ -32,6 +33,7 @@ from gateway.jobs.validation import (
 from gateway.limits import store as limits_store
 from gateway.protocol import CursorPage
 from gateway.queue import enqueue
+from gateway.serving.calls import check_models
 from gateway.tenancy.keys import Principal
 from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
@@ -70,7 +72,7 @@ async def create(
         existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key)
         if existing is not None:
             return _replay(existing, request_hash)
-    spec, files = await _validate(res, org, body)
+    spec, files = await _validate(res, who, body)
     try:
         row = await store.insert(
             res.pool,
@@ -137,9 +139,11 @@ class JobEvents:
         )
 
 
-async def _validate(res: Resources, org: str, body: JobCreate) -> tuple[MethodSpec, list[Path]]:
+async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[MethodSpec, list[Path]]:
     """Everything a create can be refused for before it is inserted; returns the method and the paths of
-    the training (and validation) file."""
+    the training (and validation) file. A model a grader calls must be one the organisation may chat with
+    (the trainer calls it through the gateway with a key of the organisation): else the chat route's 404."""
+    org = who.organization_id
     if body.model not in res.settings.base_models:
         raise InvalidRequest(
             f"Model '{body.model}' is not available for fine-tuning; choose one of "
@@ -152,6 +156,7 @@ async def _validate(res: Resources, org: str, body: JobCreate) -> tuple[MethodSp
     spec = normalise_method(body.method, body.hyperparameters)
     if spec.grader is not None:
         await check_grader(res, org, spec.grader, "method.reinforcement.grader")
+        await check_models(res, who, model_fields(spec.grader, param="method.reinforcement.grader"))
     # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
     probe = DatasetSummary(1_000_000, 0)
     resolve_hyperparameters(

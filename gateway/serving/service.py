@@ -58,8 +58,11 @@ def serving_state(res: Resources) -> ServingState:
 
 
 # ---------------------------------------------------------------------------------------------- models
-async def resolve(state: ServingState, pool: asyncpg.Pool, who: Principal, model_id: str) -> Target:
-    """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models)."""
+async def resolve(
+    state: ServingState, pool: asyncpg.Pool, who: Principal, model_id: str, *, param: str = "model"
+) -> Target:
+    """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models), whose
+    `param` is `param` (the field that named the model)."""
     if model_id in state.settings.base_models:
         return Target(model_id=model_id, base_model=model_id)
     hit, target = state.models.get(who.organization_id, model_id)
@@ -76,7 +79,7 @@ async def resolve(state: ServingState, pool: asyncpg.Pool, who: Principal, model
                 logger.warning("model %s names base model %s, which is not configured", model_id, base)
         state.models.put(who.organization_id, model_id, target)
     if target is None:
-        raise not_found("model", model_id, param="model", code="model_not_found")
+        raise not_found("model", model_id, param=param, code="model_not_found")
     return target
 
 

@@ -1,14 +1,15 @@
 """Short-lived, organisation-scoped API keys that the system mints for its own work.
 
-A worker that acts for an organisation (an eval run sampling a model and calling model graders; later a
-trainer) does not call the inference engines directly: it calls the gateway with a key of that
-organisation, so ownership checks, rate limits, budgets and usage metering apply to its requests exactly as
-to a client's. Such a key:
+A worker that acts for an organisation (an eval run sampling a model and calling model graders, the trainer
+of a job whose grader calls a model) does not call the inference engines directly: it calls the gateway with
+a key of that organisation, so ownership checks, rate limits, budgets and usage metering apply to its
+requests exactly as to a client's. (A request that causes model calls of its own, `graders/run` or
+`environments/run`, makes them with the key it came with: `gateway.serving.calls`.) Such a key:
 
 - has a `kind` (`eval`, `job`) and an `expires_at`: its holder renews it while it works (`renew`), so a
   holder that dies leaves a key that stops working within `ttl_s`;
-- may call the inference routes (`/v1/chat/completions`, `/v1/completions`) and nothing that takes
-  `deps.PrincipalDep` (files, jobs, evals, models...): `deps.get_principal` refuses it;
+- may call the inference routes (`/v1/chat/completions`, `/v1/completions`) and nothing else (files, jobs,
+  evals, models, usage...): `deps.authenticate_person`, behind every other route's key check, refuses it;
 - is revoked when the work ends (`minted` does it on the way out, also when cancelled); a gateway that has
   it cached stops accepting it within `auth_cache_ttl_s`.
 

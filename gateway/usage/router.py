@@ -1,7 +1,7 @@
 """Routes `GET /v1/organization/usage/completions` and `GET /v1/organization/costs`.
 
-An organisation's keys read their own organisation's usage; the admin key reads any, naming it with the
-`organization_id` query parameter.
+An organisation's keys (a person's, not those minted for an eval run or a job) read their own organisation's
+usage; the admin key reads any, naming it with the `organization_id` query parameter.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query
 
-from gateway.deps import ResourcesDep
+from gateway.deps import ResourcesDep, authenticate_person
 from gateway.errors import InvalidRequest
 from gateway.tenancy.keys import bearer_token
 from gateway.usage import service
@@ -25,7 +25,7 @@ async def _organization(res: ResourcesDep, authorization: str | None, organizati
         if not organization_id:
             raise InvalidRequest("The admin key must name organization_id.", param="organization_id")
         return organization_id
-    who = await res.auth.authenticate(token)
+    who = await authenticate_person(res, token)  # a key minted for an eval run or a job: 403
     return who.organization_id  # an organisation's key sees only its own usage, whatever it asks
 
 

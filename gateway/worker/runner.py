@@ -7,6 +7,14 @@ so its trainer checkpoints and the job resumes from there once the budget is rai
 
 Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
 step, checkpoints by step, milestones by name.
+
+A job whose grader calls a model (`score_model`, `label_model`) gets a key minted for its organisation
+(`gateway.tenancy.scoped`, kind `job`) for the life of its trainer: the trainer's model graders call the
+gateway's own `/v1/chat/completions` with it (`inference_base_url` in the spec, the key in the trainer's
+environment, `trainer.spec.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
+organisation's, and its calls are rate-limited, held to the budget and metered under the key's id. The
+heartbeat renews the key; it is revoked when the trainer ends, and expires within `KEY_TTL_S` when the worker
+dies first.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from typing import Any
 import asyncpg
 from pydantic import ValidationError
 
+from envsdk.graders import model_fields
 from gateway.blobstore import BlobStore
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
@@ -39,11 +48,13 @@ from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.models import store as models_store
 from gateway.serving.service import load_adapter_everywhere
 from gateway.settings import Settings
+from gateway.tenancy import scoped
 from gateway.usage.pricing import training_cost
 from gateway.worker import store
 from gateway.worker.resilience import until_database_answers
 from trainer.spec import (
     EVENT,
+    INFERENCE_KEY_ENV,
     CheckpointEvent,
     ErrorEvent,
     MessageEvent,
@@ -56,6 +67,8 @@ from trainer.spec import (
 
 logger = logging.getLogger(__name__)
 
+KEY_TTL_S = 300.0
+"""Life of a job's key between renewals (the heartbeat renews it every third of that)."""
 _PR_SET_PDEATHSIG = 1
 BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
 
@@ -83,10 +96,11 @@ TRAINER_ENV_PREFIXES = (
 )
 
 
-def trainer_env(workdir: Path) -> dict[str, str]:
+def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, str]:
     """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
     worker's settings. The trainer reads its spec; the database and Redis URLs, the admin key and the Stripe
-    key stay in the worker."""
+    key stay in the worker. `inference_key`, the job's own key for its model graders, is the one secret it
+    gets."""
     env = {
         name: value
         for name, value in os.environ.items()
@@ -94,7 +108,16 @@ def trainer_env(workdir: Path) -> dict[str, str]:
     }
     env.setdefault("PATH", "/usr/bin:/bin")
     env.update(PYTHONUNBUFFERED="1", HOME=str(workdir))
+    if inference_key is not None:
+        env[INFERENCE_KEY_ENV] = inference_key
     return env
+
+
+def calls_models(job: asyncpg.Record) -> bool:
+    """Whether the job's grader calls a model (and so its trainer needs the gateway and a key)."""
+    method = job["method"]
+    grader = (method.get(method["type"]) or {}).get("grader")
+    return isinstance(grader, dict) and bool(model_fields(grader))
 
 
 def fine_tuned_model_name(job: asyncpg.Record) -> str:
@@ -151,6 +174,9 @@ class JobRun:
         self.usage_recorded = False
         self.budget_due = 0.0
         """Monotonic time of the next budget check."""
+        self.key_id: str | None = None
+        """The key minted for this run's model graders, while the trainer runs."""
+        self.key_renewed = 0.0
 
     # ---- preparation -------------------------------------------------------------------------
     async def _file_path(self, file_id: str) -> Path:
@@ -174,7 +200,7 @@ class JobRun:
             archive = await self._file_path(body["environment"]["file_id"])
             await asyncio.to_thread(self._extract_environment, archive, package_dir)
             environment = {"package_dir": str(package_dir), "config": body["environment"].get("config", {})}
-        upstreams = self.settings.base_models[job["model"]].upstreams
+        gateway = f"{self.settings.internal_gateway_url()}/v1" if calls_models(job) else None
         spec = TrainerSpec.model_validate(
             {
                 "job_id": self.job_id,
@@ -190,8 +216,8 @@ class JobRun:
                 "hyperparameters": body["hyperparameters"],
                 "grader": body.get("grader"),
                 "environment": environment,
-                "inference_base_url": f"{upstreams[0]}/v1" if upstreams else None,
-                "inference_api_key": None,
+                "inference_base_url": gateway,
+                "inference_api_key": None,  # in the trainer's environment, not in this file
                 "allow_unsandboxed": self.settings.allow_unsandboxed_environments,
                 "sandbox_maxima": self.settings.sandbox_maxima().as_dict(),
             }
@@ -217,7 +243,22 @@ class JobRun:
     # ---- the run -------------------------------------------------------------------------------
     async def run(self) -> RunOutcome:
         spec = await self.write_spec()
-        env = trainer_env(self.workdir)
+        if not calls_models(self.job):
+            return await self._run_trainer(spec, trainer_env(self.workdir))
+        key = await scoped.mint(
+            self.pool, org_id=self.org_id, kind="job", name=f"job {self.job_id}", ttl_s=KEY_TTL_S
+        )
+        self.key_id, self.key_renewed = key.id, time.monotonic()
+        try:
+            return await self._run_trainer(spec, trainer_env(self.workdir, key.secret))
+        finally:
+            self.key_id = None
+            try:
+                await asyncio.shield(scoped.revoke(self.pool, key.id))
+            except (OSError, asyncpg.PostgresError) as exc:  # it expires within KEY_TTL_S anyway
+                logger.warning("job %s: could not revoke its key %s: %s", self.job_id, key.id, exc)
+
+    async def _run_trainer(self, spec: Path, env: dict[str, str]) -> RunOutcome:
         stderr_path = self.workdir / "trainer.log"
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
             self.proc = await asyncio.create_subprocess_exec(
@@ -289,6 +330,9 @@ class JobRun:
                 status = await store.heartbeat(
                     self.pool, job_id=self.job_id, worker_id=self.worker_id, step=self.step
                 )
+                if self.key_id is not None and time.monotonic() - self.key_renewed > KEY_TTL_S / 3:
+                    await scoped.renew(self.pool, self.key_id, ttl_s=KEY_TTL_S)
+                    self.key_renewed = time.monotonic()
             except (OSError, asyncpg.PostgresError) as exc:
                 logger.warning("job %s: heartbeat failed: %s", self.job_id, exc)
                 continue

@@ -3,8 +3,9 @@
 
 The problems are the arithmetic example's: single-digit additions asked as "What is 3 + 4? Reply with the
 number only.", 70 to train on (`tasks.jsonl`) and 30 held out (`heldout.jsonl`). `tiny-chat` knows its sums
-but answers most of them in a sentence, so greedy decoding gets few exactly right (see `trainer.tinydata`).
-Held-out exact match is measured on answers served by the gateway (greedy, through the engine).
+but answers many of them in a sentence, so greedy decoding gets under half of them exactly right (see
+`trainer.tinydata`). Held-out exact match is measured on answers served by the gateway (greedy, through the
+engine).
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def test_reinforcement_with_defaults_raises_heldout_exact_match(lab: Tenant, tmp
     """RL on the arithmetic environment, every hyperparameter "auto", seed 1.
 
     Recipe (the defaults tiny-chat ships with): 8 prompts x 8 answers a step, 7 epochs over the 70 tasks
-    (63 steps), LoRA r 8 at lr 5e-4, 16 new tokens, temperature 1, partial credit on. Measured over seeds
-    0-4: held-out exact went from 13% to 63-87% (+50 to +73 points); the gate is +25.
+    (64 steps), LoRA r 8 at lr 5e-4, 16 new tokens, temperature 1, partial credit on. Measured over seeds
+    0-2: held-out exact went from 43% to 83-93% (+40 to +50 points); the gate is +25.
     """
     from tests.gateway.test_environments import upload_package
 
@@ -138,8 +139,8 @@ def test_reinforcement_with_defaults_raises_heldout_exact_match(lab: Tenant, tmp
 def test_supervised_with_defaults_raises_heldout_exact_and_lowers_valid_loss(lab: Tenant) -> None:
     """SFT on the 70 problems answered with the number only, defaults, seed 1.
 
-    Recipe: batch 8, 1 epoch (9 steps), lr 2e-3 (tiny-chat's measured SFT rate). Measured over seeds 0-4:
-    held-out exact 13% -> 90-100%; valid_loss roughly halves.
+    Recipe: batch 8, 1 epoch (9 steps), lr 2e-3 (tiny-chat's measured SFT rate). Measured over seeds 0-2:
+    held-out exact 43% -> 67-77%; full_valid_loss 0.64 -> 0.22-0.23.
     """
 
     def chat(task: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +161,8 @@ def test_dpo_with_defaults_raises_heldout_preference_accuracy(lab: Tenant) -> No
 
     Preference accuracy: the share of held-out pairs whose preferred answer the model finds more likely
     (summed log-probabilities), reported as `full_valid_preference_accuracy` before the first step and at
-    the end. Recipe: batch 8, 1 epoch (9 steps), lr 5e-4, beta 0.1. Measured over seeds 0-4: 0.3-0.5 -> 1.0.
+    the end. Recipe: batch 8, 1 epoch (9 steps), lr 2e-3, beta 0.1. Measured over seeds 0-2: 0.47 -> 0.93-0.97
+    (held-out exact 43% -> 57-67%).
     """
 
     def pair(task: dict[str, Any]) -> dict[str, Any]:

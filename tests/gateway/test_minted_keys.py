@@ -4,17 +4,24 @@ for the inference routes only, listed apart from people's keys, and dead once ex
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
+from gateway.app import create_app
 from gateway.db import create_pool
 from gateway.errors import AuthenticationFailed
+from gateway.settings import Settings
 from gateway.tenancy import scoped
 from gateway.tenancy.keys import Authenticator
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 MESSAGES = [{"role": "user", "content": "hi"}]
+INFERENCE = ("/v1/chat/completions", "/v1/completions")
+OPEN = ("/healthz", "/readyz", "/metrics")
 
 
 def _mint(database: str, org_id: str, ttl_s: float, kind: str = "eval") -> scoped.MintedKey:
@@ -43,6 +50,12 @@ def test_minted_key_calls_inference_only_and_is_listed_apart(
         with pytest.raises(openai.PermissionDeniedError) as denied:
             call()
         assert denied.value.code == "permission_denied"
+    usage = httpx.get(
+        f"{stack.url}/v1/organization/usage/completions",
+        params={"start_time": 0},
+        headers={"Authorization": f"Bearer {key.secret}"},
+    )
+    assert usage.status_code == 403 and usage.json()["error"]["code"] == "permission_denied"
 
     people = admin.http.get(f"/v1/admin/organizations/{tenant.org_id}/api_keys").json()["data"]
     assert [k["id"] for k in people] == [tenant.key_id] and people[0]["kind"] == "user"
@@ -92,3 +105,27 @@ async def test_minted_block_revokes_its_key(database: str, tenant: Tenant) -> No
             await scoped.mint(pool, org_id=tenant.org_id, kind="user", name="no", ttl_s=1)
     finally:
         await pool.close()
+
+
+def test_minted_keys_are_refused_on_every_route_but_inference(
+    stack: GatewayServer, tenant: Tenant, tmp_path: Path
+) -> None:
+    """Every route of the app, filled with dummy ids: a minted key is 403 wherever a key is checked but on
+    the inference routes (admin routes want the admin key: 401)."""
+    key = _mint(stack.settings.database_url or "", tenant.org_id, ttl_s=600, kind="job")
+    paths = create_app(Settings(data_dir=tmp_path)).openapi()["paths"]
+    checked = 0
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key.secret}"}) as http:
+        for path, operations in paths.items():
+            if path in INFERENCE or path in OPEN:
+                continue
+            url = re.sub(r"\{[^}]+\}", "x", path)
+            for method in operations:
+                resp = http.request(method.upper(), url, params={"start_time": 0}, json={})
+                error = resp.json()["error"]
+                if path.startswith("/v1/admin/"):
+                    assert resp.status_code == 401, (method, path, resp.text)
+                else:
+                    assert (resp.status_code, error["code"]) == (403, "permission_denied"), (method, path)
+                    checked += 1
+    assert checked > 20

@@ -13,8 +13,17 @@ from typing import Any
 
 import pytest
 
-from envsdk.graders import GraderError, grade, make_sample, render_template, validate_grader
-from envsdk.inference_client import InferenceClient
+from envsdk.graders import (
+    MODEL_GRADER_DEFAULT_MAX_TOKENS,
+    MODEL_GRADER_MAX_TOKENS,
+    GraderError,
+    grade,
+    make_sample,
+    model_fields,
+    render_template,
+    validate_grader,
+)
+from envsdk.inference_client import InferenceClient, InferenceError
 from envsdk.python_grader import PythonGraders
 
 ITEM = {"answer": "Paris", "nested": {"list": [1, "two"]}, "n": 3}
@@ -212,6 +221,35 @@ def test_unsafe_or_bad_formula_refused(formula: str) -> None:
             {"type": "multi", "graders": {"a": {"type": "python", "source": ""}}, "calculate_output": "a"},
             "grader.graders.a.source",
         ),
+        (
+            {
+                "type": "label_model",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "labels": ["a"],
+                "passing_labels": ["a"],
+                "sampling_params": {"max_completions_tokens": MODEL_GRADER_MAX_TOKENS + 1},
+            },
+            "grader.sampling_params.max_completions_tokens",
+        ),
+        (
+            {
+                "type": "score_model",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "sampling_params": {"max_tokens": 0},
+            },
+            "grader.sampling_params.max_tokens",
+        ),
+        (
+            {
+                "type": "score_model",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "sampling_params": [],
+            },
+            "grader.sampling_params",
+        ),
     ],
 )
 def test_validation_names_the_field(grader: dict[str, Any], param: str) -> None:
@@ -221,10 +259,12 @@ def test_validation_names_the_field(grader: dict[str, Any], param: str) -> None:
 
 
 class _ModelServer:
-    """A stand-in chat-completions endpoint answering with queued replies, recording requests."""
+    """A stand-in chat-completions endpoint answering with queued replies (or queued error answers:
+    `(status, code, retry_after)`), recording requests."""
 
     def __init__(self) -> None:
         self.replies: list[str] = []
+        self.errors: list[tuple[int, str, str | None]] = []
         self.requests: list[dict[str, Any]] = []
         server = self
 
@@ -232,6 +272,17 @@ class _ModelServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+                if server.errors:
+                    status, code, retry_after = server.errors.pop(0)
+                    error = {"message": f"refused: {code}", "type": "requests", "param": None, "code": code}
+                    data = json.dumps({"error": error}).encode()
+                    self.send_response(status)
+                    if retry_after is not None:
+                        self.send_header("retry-after", retry_after)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 reply = {
                     "id": "c1",
                     "object": "chat.completion",
@@ -303,6 +354,39 @@ def test_score_model_and_label_model(model_server: _ModelServer) -> None:
     assert first["path"] == "/v1/chat/completions" and first["auth"] == "Bearer sk-test"
     assert first["model"] == "tiny-chat" and first["temperature"] == 0.0
     assert first["messages"][1]["content"] == "Q: capital of France. Reference Paris. A: Paris"
+    # No cap of their own: the default one (a reply of a score or a label is short).
+    assert {r["max_completion_tokens"] for r in model_server.requests} == {MODEL_GRADER_DEFAULT_MAX_TOKENS}
+
+
+def test_model_grader_token_caps_and_models(model_server: _ModelServer) -> None:
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny-chat",
+        "input": [{"role": "user", "content": "{{ sample.output_text }}"}],
+        "sampling_params": {"max_completions_tokens": 5, "seed": 1},  # OpenAI's spelling
+    }
+    tone = {**judge, "name": "tone", "model": "other", "sampling_params": {"max_tokens": 7}}
+    multi = {"type": "multi", "graders": {"judge": judge, "tone": tone}, "calculate_output": "judge + tone"}
+    validate_grader(multi)
+    assert model_fields(multi) == [
+        ("tiny-chat", "grader.graders.judge.model"),
+        ("other", "grader.graders.tone.model"),
+    ]
+    assert model_fields(judge, param="method.reinforcement.grader") == [
+        ("tiny-chat", "method.reinforcement.grader.model")
+    ]
+    with InferenceClient(model_server.url) as client:
+        model_server.replies = ["1", "0"]
+        assert grade(multi, "x", ITEM, inference=client).reward == 1.0
+    sent = [
+        {k: r.get(k) for k in ("max_completion_tokens", "max_completions_tokens", "max_tokens", "seed")}
+        for r in model_server.requests
+    ]
+    assert sent == [
+        {"max_completion_tokens": 5, "max_completions_tokens": None, "max_tokens": None, "seed": 1},
+        {"max_completion_tokens": 7, "max_completions_tokens": None, "max_tokens": None, "seed": None},
+    ]
 
 
 def test_model_grader_unreachable_is_a_server_error() -> None:
@@ -313,3 +397,29 @@ def test_model_grader_unreachable_is_a_server_error() -> None:
     assert result.errors["model_grader_server_error_details"]
     no_client = grade(grader, "x", {})
     assert no_client.errors["model_grader_server_error"]
+
+
+def test_refusals_keep_the_servers_error_and_short_rate_limits_are_waited_out(
+    model_server: _ModelServer,
+) -> None:
+    with InferenceClient(model_server.url, max_retries=1, max_wait_s=1.0) as client:
+        model_server.errors = [(429, "rate_limit_exceeded", "0")]
+        model_server.replies = ["fine"]
+        assert client.chat("m", [{"role": "user", "content": "x"}]).text == "fine"  # waited, then retried
+        model_server.errors = [(429, "insufficient_quota", "0"), (429, "rate_limit_exceeded", "60")]
+        for code in ("insufficient_quota", "rate_limit_exceeded"):  # the budget, or a wait too long
+            with pytest.raises(InferenceError) as refused:
+                client.chat("m", [{"role": "user", "content": "x"}])
+            assert refused.value.status == 429 and refused.value.error is not None
+            assert refused.value.error["code"] == code and f"({code})" in str(refused.value)
+        assert refused.value.retry_after == "60"
+        model_server.errors = [(404, "model_not_found", None)]
+        with pytest.raises(InferenceError) as missing:
+            client.chat("m", [{"role": "user", "content": "x"}])
+        assert missing.value.status == 404 and missing.value.error == {
+            "message": "refused: model_not_found",
+            "type": "requests",
+            "param": None,
+            "code": "model_not_found",
+        }
+    assert len(model_server.requests) == 5  # nothing else was retried
