@@ -12,7 +12,8 @@ refusals is rate limiting's business, not this bench's). Slices take turns, so a
 machine falls on both sides alike; A's calls still in flight at the end of an attacked slice are waited
 for before the next idle one. Reported: B's p50 and p99 of each side and their ratio (the goal: p99
 within 2x), B's failures, a file upload and a model list of B's in every attacked slice, and A's answers
-by status. A runs in a process of its own, so its work never slows B's clients in the bench process.
+by status. A runs in a process of its own, below the others' priority (`ATTACKER_NICENESS`), so its own
+client work never slows B's clients or the servers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import secrets
 import sys
 import time
@@ -41,6 +43,9 @@ B_CLIENTS = 4
 A_THREADS = 6
 A_RUNNERS = 12
 RETRY_S = 0.1
+ATTACKER_NICENESS = 10
+"""A's client process runs below everything else: on a small machine its own sending and reading would
+otherwise take the CPU the gateway and the engine serve B with, which a remote client would not."""
 GOAL = 2.0
 """B's attacked p99 over its idle p99 that the gateway aims to stay within."""
 GRADE = "def grade(sample, item):\n    return 1.0\n"
@@ -225,7 +230,9 @@ def _measure(
     other = Counter[str]()
     answers = Counter[str]()
     spawn = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as attacker:
+    with ProcessPoolExecutor(
+        max_workers=1, mp_context=spawn, initializer=os.nice, initargs=(ATTACKER_NICENESS,)
+    ) as attacker:
         attacker.submit(attack, url, a_key, None, 0.0).result()  # the process started, its inputs made
         asyncio.run(_b_clients(url, b_key, min(1.0, slice_s)))  # warm-up: connections, the engine's batches
         for _ in range(rounds):
