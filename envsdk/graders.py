@@ -347,7 +347,12 @@ def validate_grader(
             labels, passing = grader.get("labels"), grader.get("passing_labels")
             if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
                 raise GraderError("labels must be a non-empty list of strings", f"{param}.labels")
-            if not isinstance(passing, list) or not passing or not set(passing) <= set(labels):
+            if (
+                not isinstance(passing, list)
+                or not passing
+                or not all(isinstance(x, str) for x in passing)
+                or not set(passing) <= set(labels)
+            ):
                 raise GraderError(
                     "passing_labels must be a non-empty subset of labels", f"{param}.passing_labels"
                 )
