@@ -234,6 +234,7 @@ def test_jobs_follow_a_supervised_job(stack: GatewayServer, worker: WorkerProces
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_quickstart_end_to_end(tmp_path: Path) -> None:
     """The README's first command: its own stack (embedded PostgreSQL and Redis), an RL job, answers from
     the fine-tuned model, the reward PNG, and nothing left running afterwards."""

@@ -32,7 +32,7 @@ from tests.support.stack import (
     start_gateway,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = ROOT / "examples" / "envs" / "arithmetic"

@@ -114,63 +114,57 @@ def test_dpo_run(tiny: Path, tmp_path: Path) -> None:
     assert last["rewards/margins"] > 0  # the preferred answers gained on the rejected ones
 
 
-def yes_task_rows(n: int = 16) -> list[dict[str, Any]]:
-    rng = random.Random(5)
-    return [
-        {
-            "messages": [
-                {"role": "user", "content": f"Is {rng.randint(0, 99)} bigger than {rng.randint(0, 99)}?"}
-            ],
-            "target": "Yes",
-        }
-        for _ in range(n)
-    ]
+def addition_rows() -> list[dict[str, Any]]:
+    """The arithmetic example's 70 training problems, answered with the number only."""
+    from trainer.tinydata import addition_task, heldout_split
+
+    return [addition_task(a, b) for a, b in heldout_split()[0]]
 
 
-YES_GRADER = {
+EXACT_GRADER = {
     "type": "string_check",
-    "name": "says_yes",
+    "name": "exact",
     "input": "{{ sample.output_text }}",
-    "reference": "{{ item.target }}",
-    "operation": "like",
+    "reference": "{{ item.answer }}",
+    "operation": "eq",
 }
 
 
 @pytest.mark.slow
-def test_reinforcement_learns_to_say_yes(tiny: Path, tmp_path: Path) -> None:
-    """The tiny model answers "Is A bigger than B?" with Yes or No; rewarding "Yes" must raise the reward.
+def test_reinforcement_learns_to_answer_with_the_number_only(tiny: Path, tmp_path: Path) -> None:
+    """tiny-chat answers "What is 3 + 4? Reply with the number only." with the bare number only some of the
+    time; rewarding exactly the number must raise the reward.
 
-    Recipe: 20 steps of 4 prompts x 4 completions of 4 tokens, lr 0.01 (about 6 s on 2 cores). Over seeds
-    0-7 the first five steps averaged 0.23-0.45 and the last five 0.81-0.95.
+    Recipe: 24 steps of 8 prompts x 8 completions of 8 tokens at tiny-chat's default RL learning rate
+    (5e-4). Over seeds 0-2 the first five steps averaged RANGE_FIRST and the last five RANGE_LAST.
     """
     spec = make_spec(
         tmp_path,
         tiny,
         "reinforcement",
-        yes_task_rows(),
+        addition_rows(),
         seed=0,
-        grader=YES_GRADER,
+        grader=EXACT_GRADER,
         hyperparameters={
-            "batch_size": 4,
-            "num_generations": 4,
-            "max_completion_length": 4,
-            "learning_rate": 0.01,
-            "max_steps": 20,
-            "checkpoint_every": 10,
+            "batch_size": 8,
+            "num_generations": 8,
+            "max_completion_length": 8,
+            "max_steps": 24,
+            "checkpoint_every": 12,
             "temperature": 1.0,
         },
     )
     job = run_trainer(spec)
-    assert_finished_run(job, total_steps=20, checkpoint_every=10)
+    assert_finished_run(job, total_steps=24, checkpoint_every=12)
     data = [m["data"] for m in job.of("metrics")]
     assert all(d["grader_error_rate"] == 0.0 for d in data)
-    assert all(0.0 <= d["reward_mean"] <= 1.0 and "rewards/says_yes" in d for d in data)
+    assert all(0.0 <= d["reward_mean"] <= 1.0 and "rewards/exact" in d for d in data)
     assert all(d["completion_length_mean"] > 0 for d in data)
     first, last = (
         statistics.mean(d["reward_mean"] for d in data[:5]),
         statistics.mean(d["reward_mean"] for d in data[-5:]),
     )
-    assert last >= first + 0.25 and last >= 0.6, (first, last)
+    assert last >= first + 0.15, (first, last)
 
 
 @pytest.mark.slow
@@ -248,7 +242,7 @@ def _bad(tmp: Path, tiny: Path, **overrides: Any) -> Path:
     ],
 )
 def test_bad_input_is_a_clear_error(tiny: Path, tmp_path: Path, case: str, code: str) -> None:
-    rft = {"method": "reinforcement", "rows": yes_task_rows(2), "grader": YES_GRADER}
+    rft = {"method": "reinforcement", "rows": addition_rows()[:2], "grader": EXACT_GRADER}
     if case == "not_json":
         spec = _bad(tmp_path, tiny)
         (tmp_path / "train.jsonl").write_text('{"messages": []}\nnot json\n')

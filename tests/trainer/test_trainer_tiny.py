@@ -19,7 +19,7 @@ def test_tokenizer_round_trips_and_knows_special_tokens(tiny: Path) -> None:
     text = "Hello world! Order 48213 costs 37.50 euros.\n  Done?"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == text
-    assert 1000 <= len(tok) <= 2048
+    assert 900 <= len(tok) <= 1024  # the recipe's vocab_size is a ceiling: BPE stops when no pair repeats
     assert [tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.padding_side == "left"
     assert tok("<tool_call>")["input_ids"] == [3]
@@ -102,6 +102,7 @@ def test_shipped_weights_answer_some_sums_exactly(tiny: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_the_recipe_still_makes_a_model_of_the_stated_quality(tmp_path: Path) -> None:
     """`python -m trainer make-tiny --from-scratch` (the script that made the shipped weights) still makes a
     model that answers 10-50% of the held-out single-digit sums exactly under greedy decoding (the shipped
