@@ -3,7 +3,8 @@
 The training, validation and environment files are looked up by id when the attempt starts (a file deleted
 since the job was created fails the attempt), and an environment package is unpacked again under the same
 caps as its upload check. A job whose grader calls a model is pointed at the gateway's own `/v1`
-(`inference_base_url`); the key for it travels in the trainer's environment, never in this file.
+(`inference_base_url`); the key for it travels in the trainer's environment, never in this file. The
+names the job's models are registered under start from `fine_tuned_model_name`.
 """
 
 from __future__ import annotations
