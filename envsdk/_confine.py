@@ -83,7 +83,8 @@ def _dev(target: str) -> None:
 
 
 def build(root: str, mounts: list[dict[str, Any]]) -> None:
-    """Build the view described by ``mounts`` under ``root`` (see :func:`envsdk.sandbox.file_system_view`)."""
+    """Build the view described by ``mounts`` under ``root``
+    (see :func:`envsdk.sandbox_backends.file_system_view`)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
     for item in mounts:

@@ -21,50 +21,70 @@ Isolation (the ``bwrap`` backend, bubblewrap):
 Every limit is the smaller of the package's ``[limits]`` and the operator's :class:`~envsdk.manifest.Maxima`
 (conservative defaults unless the caller passes its own).
 
-The ``unshare`` backend (util-linux, as root) is the fallback when bubblewrap is missing: the same
-namespaces, the same file-system view (built by :mod:`envsdk._confine`: a private mount namespace, a new
-root of the same binds and scratch tmpfs, ``chroot``, ``no_new_privs``), rlimits and the dropped uid. With
-neither available the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only: the
-``none`` backend confines nothing, and its scratch is a plain temporary directory).
+The ``unshare`` backend (util-linux, as root) gives the same isolation where bubblewrap is missing; with
+neither, the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only). Which backend
+works here, and what each needs to start a process, is :mod:`envsdk.sandbox_backends`; the host directories
+a sandbox leaves behind are :mod:`envsdk.sandbox_dirs`. Their public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import os
-import re
-import secrets
 import select
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-import envsdk
 from envsdk.errors import SandboxError
 from envsdk.manifest import Limits, Maxima, load_manifest
+from envsdk.sandbox_backends import (
+    ENVSDK_SRC,
+    SANDBOX_PATH,
+    SANDBOX_PYTHONPATH,
+    SCRATCH,
+    Mount,
+    allocate_uid,
+    base_python,
+    detect_backend,
+    file_system_view,
+    host_env,
+    is_root,
+    kill_uid,
+    probe_backend,
+    sandbox_command,
+)
+from envsdk.sandbox_dirs import owned_tempdir, owned_workdir, remove_stale_dirs, remove_stale_once
+
+__all__ = [
+    "ENVSDK_SRC",
+    "SANDBOX_PATH",
+    "SANDBOX_PYTHONPATH",
+    "SCRATCH",
+    "Mount",
+    "Sandbox",
+    "base_python",
+    "detect_backend",
+    "file_system_view",
+    "owned_tempdir",
+    "owned_workdir",
+    "probe_backend",
+    "remove_stale_dirs",
+]
 
 logger = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024 * 1024
 STDERR_KEEP = 16 * 1024
-ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
-SANDBOX_PYTHONPATH = "/opt/envsdk"
-SCRATCH = "/scratch"
-SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 _EOF = object()
 _STDLIB_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
 _ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
@@ -88,302 +108,11 @@ def _decode_line(line: bytes) -> Any:
         return json.loads(line)
 
 
-_probe_cache: dict[str, bool] = {}
-
-
-def _is_root() -> bool:
-    return os.geteuid() == 0
-
-
-def base_python() -> Path:
-    """The base interpreter (not a venv's): the sandbox binds only its prefix, read-only."""
-    candidate = Path(getattr(sys, "_base_executable", "") or sys.executable)
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for path in (Path(sys.base_prefix) / "bin" / version, candidate):
-        if path.exists():
-            return path.resolve()
-    return Path(sys.executable).resolve()
-
-
-@dataclass(frozen=True)
-class Mount:
-    """One step of the sandbox's file-system view, in the order it is made."""
-
-    kind: str
-    """``dir``, ``ro-bind``, ``tmpfs``, ``symlink``, ``proc`` or ``dev``."""
-    dest: str
-    """Where, inside the new root."""
-    source: str = ""
-    """The host path of a ``ro-bind``; the target of a ``symlink``."""
-    perms: int = 0o755
-    """Mode of a ``dir`` or a ``tmpfs``."""
-    size: int = 0
-    """Bytes of a ``tmpfs``."""
-
-    def bwrap_args(self) -> list[str]:
-        """This step as bubblewrap arguments."""
-        if self.kind == "dir":
-            return ["--perms", f"{self.perms:04o}", "--dir", self.dest]
-        if self.kind == "ro-bind":
-            return ["--ro-bind", self.source, self.dest]
-        if self.kind == "tmpfs":
-            return ["--perms", f"{self.perms:04o}", "--size", str(self.size), "--tmpfs", self.dest]
-        if self.kind == "symlink":
-            return ["--symlink", self.source, self.dest]
-        return [f"--{self.kind}", self.dest]  # proc, dev
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "dest": self.dest,
-            "source": self.source,
-            "perms": self.perms,
-            "size": self.size,
-        }
-
-
-def _root_links() -> list[Mount]:
-    """``/usr`` read-only, and ``/bin``, ``/lib``... as on the host: links stay links, directories become
-    read-only binds."""
-    view = [Mount("ro-bind", "/usr", "/usr")]
-    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        host = Path("/") / name
-        if host.is_symlink():
-            view.append(Mount("symlink", str(host), os.readlink(host)))
-        elif host.is_dir():
-            view.append(Mount("ro-bind", str(host), str(host)))
-    return view
-
-
-def _ro_bind(source: Path | str, dest: str) -> list[Mount]:
-    """A read-only bind with world-traversable parents (bubblewrap makes missing parents 0700, and the
-    sandbox's uid is not their owner)."""
-    parents = [Mount("dir", str(p)) for p in reversed(Path(dest).parents) if str(p) != "/"]
-    return [*parents, Mount("ro-bind", dest, str(source))]
-
-
-def file_system_view(package_dir: Path | None, *, disk_bytes: int) -> list[Mount]:
-    """Everything the sandbox sees, for both backends: read-only system directories, the Python prefix,
-    envsdk and the package (``/env``); a scratch tmpfs of ``disk_bytes`` (also ``/tmp``); ``/proc`` and a
-    minimal ``/dev``."""
-    python = base_python()
-    prefix = Path(sys.base_prefix).resolve()
-    view = _root_links()
-    if not str(prefix).startswith("/usr/"):
-        view += _ro_bind(prefix, str(prefix))
-    if not str(python).startswith(("/usr/", str(prefix) + "/")):
-        view += _ro_bind(python, str(python))
-    view += _ro_bind(ENVSDK_SRC, f"{SANDBOX_PYTHONPATH}/envsdk")
-    if package_dir is not None:
-        view.append(Mount("ro-bind", "/env", str(package_dir)))
-    view += [
-        Mount("tmpfs", SCRATCH, perms=0o1777, size=disk_bytes),
-        Mount("symlink", "/tmp", SCRATCH),
-        Mount("proc", "/proc"),
-        Mount("dev", "/dev"),
-    ]
-    return view
-
-
-def _sandbox_env() -> dict[str, str]:
-    """The whole environment of the sandboxed process."""
-    return {
-        "PATH": SANDBOX_PATH,
-        "HOME": SCRATCH,
-        "TMPDIR": SCRATCH,
-        "LANG": "C.UTF-8",
-        "PYTHONPATH": SANDBOX_PYTHONPATH,
-    }
-
-
-def _unshare_command(root: Path, view: list[Mount], argv: list[str]) -> list[str]:
-    """``unshare`` into fresh namespaces, then :mod:`envsdk._confine` builds ``view`` and runs ``argv``."""
-    plan = {
-        "root": str(root),
-        "mounts": [m.as_dict() for m in view],
-        "env": _sandbox_env(),
-        "chdir": SCRATCH,
-        "argv": argv,
-    }
-    return [
-        "unshare", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
-        str(base_python()), "-S", "-B", "-m", "envsdk._confine", json.dumps(plan),
-    ]  # fmt: skip
-
-
-# -- scratch and other host directories of a sandbox ------------------------------------------------------
-_OWNED = re.compile(r"^envsdk-[a-z]+-(\d+)\.(\d+)-")
-_stale_checked = False
-
-
-def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), None when there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def owned_tempdir(kind: str) -> Path:
-    """A fresh temporary directory whose name says which process owns it (``envsdk-<kind>-<pid>.<start>-``),
-    so that :func:`remove_stale_dirs` can tell the directories of dead processes from live ones."""
-    ticks = _start_ticks(os.getpid()) or 0
-    return Path(tempfile.mkdtemp(prefix=f"envsdk-{kind}-{os.getpid()}.{ticks}-"))
-
-
-@contextlib.contextmanager
-def owned_workdir(kind: str) -> Iterator[Path]:
-    """:func:`owned_tempdir`, removed when the block ends (and by :func:`remove_stale_dirs` when its
-    process dies first)."""
-    path = owned_tempdir(kind)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def remove_stale_dirs(root: Path | None = None) -> int:
-    """Remove the directories :func:`owned_tempdir` made for processes that are gone (a worker killed while a
-    sandbox ran leaves its scratch behind). Returns how many it removed; run at a process's start."""
-    root = Path(root or tempfile.gettempdir())
-    removed = 0
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return 0
-    for entry in entries:
-        match = _OWNED.match(entry.name)
-        if match is None:
-            continue
-        try:
-            if not entry.is_dir() or entry.is_symlink() or entry.stat().st_uid != os.geteuid():
-                continue
-        except OSError:
-            continue
-        pid, ticks = int(match.group(1)), int(match.group(2))
-        if _start_ticks(pid) == ticks:
-            continue  # its owner is alive
-        shutil.rmtree(entry, ignore_errors=True)
-        removed += 1
-    if removed:
-        logger.info("removed %d sandbox directories left by processes that are gone", removed)
-    return removed
-
-
-def _remove_stale_once() -> None:
-    global _stale_checked
-    if not _stale_checked:
-        _stale_checked = True
-        remove_stale_dirs()
-
-
-def _bwrap_namespace_args() -> list[str]:
-    common = ["--die-with-parent", "--new-session"]
-    if _is_root():
-        # No user namespace: the host uid must become non-root for RLIMIT_NPROC to hold; the child drops
-        # privileges itself with exactly these two capabilities (lost on setuid; no_new_privs is set).
-        return common + [
-            "--unshare-ipc",
-            "--unshare-pid",
-            "--unshare-net",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-            "--cap-add",
-            "CAP_SETUID",
-            "--cap-add",
-            "CAP_SETGID",
-        ]
-    return common + ["--unshare-all", "--uid", "65534", "--gid", "65534"]
-
-
-def probe_backend(name: str) -> bool:
-    """Whether backend ``name`` (``bwrap``, ``unshare``, ``none``) works on this machine (cached)."""
-    if name == "none":
-        return True
-    if name in _probe_cache:
-        return _probe_cache[name]
-    ok = False
-    try:
-        if name == "bwrap" and shutil.which("bwrap"):
-            view = [*_root_links(), Mount("proc", "/proc"), Mount("dev", "/dev")]
-            cmd = ["bwrap", *(a for m in view for a in m.bwrap_args()), *_bwrap_namespace_args(), "true"]
-            ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
-        elif name == "unshare" and shutil.which("unshare") and _is_root():
-            # the real thing: the confined view, then the interpreter, as the sandbox's own uid would run it
-            root = owned_tempdir("probe")
-            try:
-                view = file_system_view(None, disk_bytes=1 << 20)
-                argv = [str(base_python()), "-S", "-B", "-c", "import envsdk._runner"]
-                env = {"PATH": SANDBOX_PATH, "PYTHONPATH": str(ENVSDK_SRC.parent)}
-                command = _unshare_command(root, view, argv)
-                result = subprocess.run(command, capture_output=True, timeout=20, env=env)
-                ok = result.returncode == 0
-                if not ok:
-                    logger.info("unshare backend: %s", result.stderr.decode(errors="replace").strip()[-500:])
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("sandbox backend %s probe failed: %s", name, exc)
-    _probe_cache[name] = ok
-    logger.info("sandbox backend %s: %s", name, "available" if ok else "unavailable")
-    return ok
-
-
-def detect_backend(*, allow_unsandboxed: bool = False) -> str:
-    """The best working backend: ``bwrap``, else ``unshare``, else ``none`` if allowed."""
-    for name in ("bwrap", "unshare"):
-        if probe_backend(name):
-            return name
-    if allow_unsandboxed:
-        logger.warning("no sandbox backend available: running environment code UNSANDBOXED")
-        return "none"
-    raise SandboxError(
-        "unavailable",
-        "no sandbox backend works here (install bubblewrap: apt-get install bubblewrap); "
-        "pass allow_unsandboxed=True only on a development machine",
-    )
-
-
 def _die_with_parent() -> None:
     """In the child before ``exec``: SIGKILL when the process that started it dies."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _allocate_uid() -> int:
-    """A uid of its own for this sandbox (so that RLIMIT_NPROC counts only this sandbox's processes)."""
-    return 200_000 + secrets.randbelow(800_000)
-
-
-def _pids_of(uid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    pids.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return pids
-
-
-def _kill_uid(uid: int, within_s: float = 5.0) -> None:
-    """SIGKILL what is left of a sandbox's own uid and wait until nothing is: the kernel tears a PID
-    namespace down after its first process died, not with it, and a fork bomb may outlive the group kill
-    for a moment. A closed sandbox thus leaves no process behind."""
-    deadline = time.monotonic() + within_s
-    while pids := _pids_of(uid):
-        if time.monotonic() > deadline:
-            logger.error("sandbox uid %d still has processes %s after SIGKILL", uid, pids[:10])
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.01)
 
 
 class Sandbox:
@@ -432,43 +161,11 @@ class Sandbox:
         self._next_id = 0
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def _command(self, backend: str, host_dir: Path, uid: int | None) -> list[str]:
-        limits = self.limits
-        rlimits = (
-            f"as={limits.memory_mb * 1024 * 1024},cpu={limits.cpu_s},nofile={limits.nofile},"
-            f"nproc={limits.nproc},fsize={limits.fsize_mb * 1024 * 1024},core=0"
-        )
-        runner = [str(base_python()), "-S", "-B", "-m", "envsdk._runner", "--rlimits", rlimits]
-        if uid is not None:
-            runner += ["--drop-uid", str(uid), "--drop-gid", str(uid)]
-        if backend == "none":
-            return [*runner, str(self.package_dir)]
-        view = file_system_view(self.package_dir, disk_bytes=limits.disk_mb * 1024 * 1024)
-        if backend == "unshare":
-            return _unshare_command(host_dir, view, [*runner, "/env"])
-        env = [a for name, value in _sandbox_env().items() for a in ("--setenv", name, value)]
-        return [
-            "bwrap",
-            *(a for m in view for a in m.bwrap_args()),
-            *_bwrap_namespace_args(),
-            "--clearenv", *env, "--chdir", SCRATCH,
-            *runner, "/env",
-        ]  # fmt: skip
-
-    def _host_env(self, backend: str, host_dir: Path) -> dict[str, str]:
-        """The environment of the process this side starts (bubblewrap and unshare set the sandbox's own)."""
-        env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8"}
-        if backend == "unshare":
-            env["PYTHONPATH"] = str(ENVSDK_SRC.parent)  # for envsdk._confine, before the new root
-        elif backend == "none":
-            env.update(HOME=str(host_dir), TMPDIR=str(host_dir), PYTHONPATH=str(ENVSDK_SRC.parent))
-        return env
-
     def start(self) -> dict[str, Any]:
         """Start the process and load the entrypoint; returns ``describe``'s result."""
         if self._proc is not None:
             self.close()
-        _remove_stale_once()
+        remove_stale_once()
         backend = self.requested_backend or detect_backend(allow_unsandboxed=self.allow_unsandboxed)
         if backend != "none" and not probe_backend(backend):
             raise SandboxError("unavailable", f"sandbox backend {backend!r} does not work on this machine")
@@ -476,8 +173,8 @@ class Sandbox:
         # bwrap: only a working directory; unshare: the mount point of the new root; none: the scratch
         host_dir = owned_tempdir("scratch" if backend == "none" else "root")
         self._host_dir = host_dir
-        self.uid = _allocate_uid() if _is_root() and backend != "none" else None
-        cmd = self._command(backend, host_dir, self.uid)
+        self.uid = allocate_uid() if is_root() and backend != "none" else None
+        cmd = sandbox_command(backend, self.package_dir, self.limits, host_dir, self.uid)
         logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
         self._buffer = bytearray()
         self._stderr.clear()
@@ -488,7 +185,7 @@ class Sandbox:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=self._host_env(backend, host_dir),
+                env=host_env(backend, host_dir),
                 cwd=str(host_dir),
                 close_fds=True,
                 start_new_session=True,
@@ -522,7 +219,7 @@ class Sandbox:
         if proc is not None:
             self._kill(proc)
             if self.uid is not None:
-                _kill_uid(self.uid)
+                kill_uid(self.uid)
         if self._host_dir is not None:
             shutil.rmtree(self._host_dir, ignore_errors=True)
             self._host_dir = None

@@ -64,19 +64,51 @@ async def _owned_file(res: Resources, org_id: str, file_id: str, purpose: str, p
 async def create(
     res: Resources, who: Principal, body: JobCreate, idempotency_key: str | None
 ) -> FineTuningJob:
-    """Validate the request, insert the job, check its files row by row, resolve its hyperparameters and
-    queue it. A file that does not fit the method fails the job (it stays listed with its error)."""
-    org = who.organization_id
+    """Validate the request, insert the job, check its files row by row, and queue it (its `"auto"`
+    hyperparameters resolved from the files). A file that does not fit the method fails the job (it stays
+    listed with its error). With an `Idempotency-Key`, the same body answers the same job."""
     request_hash = _request_hash(body)
-    if idempotency_key:
-        existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key)
-        if existing is not None:
-            return _replay(existing, request_hash)
+    replayed = await _replayed(res, who, idempotency_key, request_hash)
+    if replayed is not None:
+        return replayed
     spec, files = await _validate(res, who, body)
+    row = await _insert(res, who, body, spec, idempotency_key, request_hash)
+    if row is None:  # a concurrent create with the same key was first
+        replayed = await _replayed(res, who, idempotency_key, request_hash)
+        assert replayed is not None
+        return replayed
+    events = JobEvents(res.pool, row["id"], who.organization_id)
+    await events.add(f"Created fine-tuning job: {row['id']}", "created")
     try:
-        row = await store.insert(
+        summaries = await _check_files(res, events, body, spec.type, files)
+    except FileRejected as exc:
+        return await _fail_validation(res, events, row, body, exc)
+    return await _queue(res, events, row, body, spec, summaries)
+
+
+async def _replayed(
+    res: Resources, who: Principal, idempotency_key: str | None, request_hash: str
+) -> FineTuningJob | None:
+    """The job an earlier create with this `Idempotency-Key` made (409 for another body); None if none."""
+    if not idempotency_key:
+        return None
+    existing = await store.by_idempotency_key(res.pool, org_id=who.organization_id, key=idempotency_key)
+    return None if existing is None else _replay(existing, request_hash)
+
+
+async def _insert(
+    res: Resources,
+    who: Principal,
+    body: JobCreate,
+    spec: MethodSpec,
+    idempotency_key: str | None,
+    request_hash: str,
+) -> asyncpg.Record | None:
+    """The new job's row, `validating_files`; None when another create took its `Idempotency-Key` first."""
+    try:
+        return await store.insert(
             res.pool,
-            org_id=org,
+            org_id=who.organization_id,
             api_key_id=who.api_key_id,
             model=body.model,
             training_file=body.training_file,
@@ -90,19 +122,29 @@ async def create(
             request_hash=request_hash,
         )
     except asyncpg.UniqueViolationError:
-        existing = await store.by_idempotency_key(res.pool, org_id=org, key=idempotency_key or "")
-        assert existing is not None
-        return _replay(existing, request_hash)
-    events = JobEvents(res.pool, row["id"], org)
-    await events.add(f"Created fine-tuning job: {row['id']}", "created")
+        return None
+
+
+async def _check_files(
+    res: Resources, events: JobEvents, body: JobCreate, kind: str, files: list[Path]
+) -> list[DatasetSummary]:
+    """The training (and validation) file checked row by row against the method; raises `FileRejected`."""
     await events.add(f"Validating training file: {body.training_file}", "validating")
-    try:
-        summaries = [
-            await _check_rows(res, path, spec.type, which)
-            for path, which in zip(files, ("training_file", "validation_file"), strict=False)
-        ]
-    except FileRejected as exc:
-        return await _fail_validation(res, events, row, body, exc)
+    return [
+        await _check_rows(res, path, kind, which)
+        for path, which in zip(files, ("training_file", "validation_file"), strict=False)
+    ]
+
+
+async def _queue(
+    res: Resources,
+    events: JobEvents,
+    row: asyncpg.Record,
+    body: JobCreate,
+    spec: MethodSpec,
+    summaries: list[DatasetSummary],
+) -> FineTuningJob:
+    """Resolve the hyperparameters from the files, store them with the job's steps, and queue the job."""
     spec.hyperparameters = resolve_hyperparameters(
         spec,
         summaries[0],
@@ -114,7 +156,7 @@ async def create(
     steps = total_steps(spec.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
     queued = await store.to_queued(res.pool, job_id=row["id"], method=_method_object(spec), total_steps=steps)
     if queued is None:  # cancelled while validating
-        current = await store.get(res.pool, org_id=org, job_id=row["id"])
+        current = await store.get(res.pool, org_id=row["organization_id"], job_id=row["id"])
         assert current is not None
         return FineTuningJob.from_row(current)
     await events.add("Files validated, moving job to queued state", "queued:1")

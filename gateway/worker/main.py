@@ -29,9 +29,8 @@ from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import presence, store
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
-from gateway.worker.resilience import Worker, until_database_answers
-from gateway.worker.runner import JobRun, RunOutcome
-from trainer.spec import ErrorEvent, ResultEvent
+from gateway.worker.resilience import Worker
+from gateway.worker.runner import JobRun
 
 logger = logging.getLogger(__name__)
 
@@ -73,93 +72,21 @@ async def shutdown(ctx: dict[str, Any]) -> None:
 async def run_job(ctx: dict[str, Any], job_id: str) -> str:
     """Claim the fairest queued job (usually `job_id`) and train it to the end of its trainer run."""
     pool: asyncpg.Pool = ctx["pool"]
-    settings: Settings = ctx["settings"]
     worker_id: str = ctx["worker_id"]
     async with ctx["slots"]:
         job = await store.claim(pool, worker_id=worker_id)
         if job is None:
             return "nothing to claim"
-        return await _train(
-            ctx,
-            JobRun(
-                job, pool=pool, blobs=ctx["blobs"], settings=settings, worker_id=worker_id, spend=ctx["spend"]
-            ),
+        run = JobRun(
+            job,
+            pool=pool,
+            blobs=ctx["blobs"],
+            settings=ctx["settings"],
+            worker_id=worker_id,
+            queue=ctx["redis"],
+            spend=ctx["spend"],
         )
-
-
-async def _train(ctx: dict[str, Any], run: JobRun) -> str:
-    pool: asyncpg.Pool = ctx["pool"]
-    job = run.job
-    resumed = job["last_checkpoint"]
-    await jobs_store.add_event(
-        pool,
-        job_id=run.job_id,
-        org_id=run.org_id,
-        message=f"Fine-tuning job started (attempt {job['attempts']})"
-        + (f", resuming from step {job['current_step']}" if resumed else ""),
-        dedup_key=f"started:{job['attempts']}",
-    )
-    try:
-        outcome = await run.run()
-    except asyncio.CancelledError:
-        # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
-        await asyncio.shield(_hand_back(run, ctx))
-        raise
-    except Exception as exc:
-        logger.exception("job %s: worker error", run.job_id)
-        await run.fail("worker_error", f"{type(exc).__name__}: {exc}")
-        return "failed"
-
-    def _retry() -> None:
-        run.usage_recorded = False  # the transaction that wrote it was rolled back
-
-    finishing = until_database_answers(
-        lambda: _finish(run, outcome, ctx),
-        what=f"job {run.job_id}: finishing",
-        within_s=ctx["settings"].stale_after_s,
-        on_retry=_retry,
-    )
-    return await asyncio.shield(finishing)
-
-
-async def _finish(run: JobRun, outcome: RunOutcome, ctx: dict[str, Any]) -> str:
-    pool: asyncpg.Pool = ctx["pool"]
-    if isinstance(outcome.event, ResultEvent):
-        row = await run.succeed(outcome.event)
-        if row is not None:
-            run.cleanup()
-            return "succeeded"
-    elif isinstance(outcome.event, ErrorEvent) and run.stop_reason is None:
-        await run.fail(outcome.event.code, outcome.event.message)
-        return "failed"
-    # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
-    # The attempt's training usage is written in the same transaction that lets the job go.
-    async with pool.acquire() as conn, conn.transaction():
-        released = await store.release(conn, job_id=run.job_id, worker_id=run.worker_id)
-        if released is not None:
-            await run.record_usage(conn, released["status"])
-    if released is not None and released["status"] == "running":
-        await store.requeue_own(pool, job_id=run.job_id, worker_id=run.worker_id)
-    if released is not None and released["status"] == "queued":
-        await enqueue(ctx["redis"], ctx["settings"].queue_name, run.job_id, released["queue_generation"])
-    if released is not None and released["status"] == "cancelled":
-        run.cleanup()
-    return released["status"] if released is not None else "lost"
-
-
-async def _hand_back(run: JobRun, ctx: dict[str, Any]) -> None:
-    await run.stop("worker shutdown")
-    if run.proc is not None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(run.proc.wait(), ctx["settings"].stop_grace_s)
-    async with ctx["pool"].acquire() as conn, conn.transaction():
-        row = await store.requeue_own(conn, job_id=run.job_id, worker_id=run.worker_id)
-        if row is not None:
-            await run.record_usage(conn, "handed_back")
-    if row is None:
-        await store.release(ctx["pool"], job_id=run.job_id, worker_id=run.worker_id)
-    else:
-        await enqueue(ctx["redis"], ctx["settings"].queue_name, run.job_id, row["queue_generation"])
+        return await run.train()
 
 
 async def requeue_missed(ctx: dict[str, Any]) -> int:

@@ -1,4 +1,5 @@
-"""The worker's SQL: claiming, heartbeats, events, checkpoints and the end of a job.
+"""The worker's SQL: claiming, heartbeats, events, checkpoints, a job's files and metrics, and the end of a
+job.
 
 A worker acts for every organisation, so these statements take a job id; each row written still carries
 the job's organisation.
@@ -83,6 +84,9 @@ INSERT INTO training_usage (organization_id, job_id, base_model, method, trained
     training_seconds, outcome)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"""
 RECORDED_TOKENS = "SELECT coalesce(sum(trained_tokens), 0)::bigint FROM training_usage WHERE job_id = $1"
+# The blob of a job's training, validation or environment file (gone when the file was deleted meanwhile).
+FILE_BLOB_KEY = "SELECT blob_key FROM files WHERE id = $1 AND organization_id = $2"
+JOB_METRICS = "SELECT data FROM fine_tuning_job_events WHERE job_id = $1 AND type = 'metrics' ORDER BY seq"
 INSERT_RESULT_FILE = """
 INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status, blob_key)
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
@@ -152,6 +156,17 @@ async def fail_stale(
     conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]
 ) -> asyncpg.Record | None:
     return await conn.fetchrow(FAIL_STALE, job_id, worker_id, error)
+
+
+async def file_blob_key(conn: Conn, *, file_id: str, org_id: str) -> str | None:
+    """The blob key of one of the organisation's files, None when there is no such file."""
+    key: str | None = await conn.fetchval(FILE_BLOB_KEY, file_id, org_id)
+    return key
+
+
+async def job_metrics(conn: Conn, *, job_id: str) -> list[dict[str, Any]]:
+    """The data of a job's metrics events, in the order they were recorded."""
+    return [row["data"] for row in await conn.fetch(JOB_METRICS, job_id) if row["data"]]
 
 
 async def add_result_file(

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.limits.buckets import Buckets, make_limits_redis, month_key, to_micro
-from gateway.worker.runner import BUDGET_PAUSED
+from gateway.worker.job.metering import BUDGET_PAUSED
 from tests.gateway.test_training import SFT
 from tests.support.jobs import (
     all_events,

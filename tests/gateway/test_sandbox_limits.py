@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from envsdk.archive import pack
-from gateway.worker.runner import trainer_env
+from gateway.worker.job.process import trainer_env
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
 
 HIGH = {"timeout_s": 3600, "startup_timeout_s": 600, "memory_mb": 65536, "disk_mb": 65536, "fsize_mb": 65536}

@@ -1,0 +1,127 @@
+"""Ingesting events: the trainer's typed progress events (`trainer.spec`, parsed by the process stage) to
+rows, and the attempt's progress as the trainer reported it.
+
+Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
+step, checkpoints by step, milestones by name. A checkpoint is copied into the blob store and registered
+as a servable model, `<fine-tuned model>:ckpt-step-N`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from gateway.blobstore import BlobStore
+from gateway.jobs import store as jobs_store
+from gateway.worker import store
+from gateway.worker.job.spec import fine_tuned_model_name
+from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
+
+ProgressEvent = MetricsEvent | CheckpointEvent | MessageEvent
+"""The events a run records as it goes; `result`, `error` and `stopped` end it instead."""
+
+
+@dataclass
+class Progress:
+    """What the trainer of this attempt reported: its steps and cumulative tokens, and the time from the
+    trainer's start to its last reported step (what the attempt is metered by)."""
+
+    step: int | None
+    """The last step reported (the job's current step before the first report)."""
+    start_step: int
+    """The step the attempt started from."""
+    tokens_seen: int | None = None
+    """The trainer's cumulative count of trained tokens, from its last metrics event."""
+    started_mono: float | None = None
+    """Monotonic time the trainer started."""
+    progress_mono: float | None = None
+    """Monotonic time of its last metrics event."""
+
+    @property
+    def seconds(self) -> float:
+        """Training time so far: the trainer's start to its last reported step."""
+        if self.started_mono is None or self.progress_mono is None:
+            return 0.0
+        return max(0.0, self.progress_mono - self.started_mono)
+
+
+class Ingest:
+    """Records one job's progress events."""
+
+    def __init__(
+        self, job: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, progress: Progress
+    ) -> None:
+        self.job = job
+        self.job_id: str = job["id"]
+        self.org_id: str = job["organization_id"]
+        self.pool = pool
+        self.blobs = blobs
+        self.progress = progress
+
+    async def record(self, event: ProgressEvent) -> None:
+        """Record one event (once, also when a resumed run replays it)."""
+        if isinstance(event, MetricsEvent):
+            await self._metrics(event)
+        elif isinstance(event, CheckpointEvent):
+            await self._checkpoint(event.step, Path(event.path), event.metrics)
+        else:
+            await jobs_store.add_event(
+                self.pool,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                level=event.level,
+                message=event.message[:4000],
+                data=event.data,
+            )
+
+    async def _metrics(self, event: MetricsEvent) -> None:
+        self.progress.step = event.step
+        self.progress.progress_mono = time.monotonic()
+        data = dict(event.data)
+        if isinstance(data.get("tokens"), int):
+            self.progress.tokens_seen = data["tokens"]
+        data.setdefault("step", event.step)
+        data["total_steps"] = event.total_steps
+        await jobs_store.add_event(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            type="metrics",
+            data=data,
+            message=_metrics_message(event.step, event.total_steps, data),
+            dedup_key=f"metrics:{event.step}",
+        )
+
+    async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
+        key = f"checkpoints/{self.org_id}/{self.job_id}/step-{step}"
+        stored = await asyncio.to_thread(self.blobs.put_tree, path, key)
+        name = f"{fine_tuned_model_name(self.job)}:ckpt-step-{step}"
+        await store.add_checkpoint(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            step=step,
+            metrics={"step": step, **metrics},
+            model_name=name,
+            path=str(stored),
+        )
+        await jobs_store.add_event(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            message=f"Checkpoint saved at step {step}",
+            dedup_key=f"checkpoint:{step}",
+        )
+
+
+def _metrics_message(step: int, total: Any, data: dict[str, Any]) -> str:
+    parts = [f"Step {step}/{total}" if total else f"Step {step}"]
+    for key in ("train_loss", "reward_mean", "kl"):
+        if isinstance(data.get(key), int | float):
+            parts.append(f"{key}={data[key]:.4f}")
+    return ": ".join([parts[0], ", ".join(parts[1:])]) if len(parts) > 1 else parts[0]

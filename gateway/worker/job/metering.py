@@ -1,0 +1,140 @@
+"""Metering: what an attempt costs, its one training usage row, and the budget pause.
+
+An attempt is metered by the trainer's progress (`ingest.Progress`): its cumulative tokens less what
+earlier attempts of the job recorded, and the time from its start to its last reported step. The usage row
+is written once, in the transaction that changes the job's state, and the same spend is added to the
+request guard's month counter in Redis, so completions see the budget that training used.
+
+While the trainer runs, every `budget_check_interval_s` the organisation's month-to-date spend plus this
+attempt's cost (not yet recorded as usage) is held against its monthly budget; a job that reaches it is
+paused, so its trainer checkpoints and the job resumes from there once the budget is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import asyncpg
+
+from gateway.jobs import store as jobs_store
+from gateway.limits.buckets import Buckets, month_key, to_micro
+from gateway.limits.budget import month_spend_usd, monthly_budget_usd
+from gateway.settings import Settings
+from gateway.usage.pricing import training_cost
+from gateway.worker import store
+from gateway.worker.job.ingest import Progress
+
+logger = logging.getLogger(__name__)
+
+BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
+
+
+class Meter:
+    """Meters one attempt of one job, held by `worker_id`."""
+
+    def __init__(
+        self,
+        job: asyncpg.Record,
+        *,
+        pool: asyncpg.Pool,
+        settings: Settings,
+        worker_id: str,
+        progress: Progress,
+        spend: Buckets | None = None,
+    ) -> None:
+        self.job = job
+        self.job_id: str = job["id"]
+        self.org_id: str = job["organization_id"]
+        self.pool = pool
+        self.settings = settings
+        self.worker_id = worker_id
+        self.progress = progress
+        self.spend = spend
+        """The serving guard's month counters: training spend is added there as it is recorded."""
+        self.usage_recorded = False
+        self.budget_due = 0.0
+        """Monotonic time of the next budget check."""
+
+    async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
+        """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
+        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        tokens = max(0, (self.progress.tokens_seen or 0) - earlier)
+        return training_cost(self.settings, self.job["model"], tokens, self.progress.seconds)
+
+    async def check_budget_when_due(self) -> bool:
+        """:meth:`check_budget`, at most every `budget_check_interval_s` (a failed check is logged and
+        retried at the next one). True when it paused the job."""
+        if time.monotonic() < self.budget_due:
+            return False
+        self.budget_due = time.monotonic() + self.settings.budget_check_interval_s
+        try:
+            return await self.check_budget()
+        except (OSError, asyncpg.PostgresError) as exc:
+            logger.warning("job %s: budget check failed: %s", self.job_id, exc)
+            return False
+
+    async def check_budget(self) -> bool:
+        """Pause the job when month-to-date spend plus this attempt's cost reaches the organisation's
+        monthly budget (the caller stops its trainer). True when it paused the job."""
+        budget = await monthly_budget_usd(self.pool, org_id=self.org_id)
+        if budget is None:
+            return False
+        spent = await month_spend_usd(self.pool, self.settings, org_id=self.org_id)
+        cost = await self.attempt_cost_usd(self.pool)
+        if spent + cost < budget:
+            return False
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await store.pause_own(conn, job_id=self.job_id, worker_id=self.worker_id)
+            if row is None:
+                return False  # cancelled, paused or taken meanwhile: the next beat sees it
+            await jobs_store.add_event(
+                conn,
+                job_id=self.job_id,
+                org_id=self.org_id,
+                level="warn",
+                message=BUDGET_PAUSED,
+                dedup_key=f"budget_paused:{self.job['attempts']}",
+            )
+        logger.info(
+            "job %s paused: month-to-date $%.6f + this run $%.6f reaches the budget $%.6f",
+            self.job_id,
+            spent,
+            cost,
+            budget,
+        )
+        return True
+
+    async def record_usage(self, conn: asyncpg.Connection, outcome: str, *, total_tokens: int = 0) -> None:
+        """Write this attempt's training usage (once), in the caller's transaction.
+
+        Tokens: the trainer's cumulative count (its result, else its last metrics event) less what earlier
+        attempts already recorded; time: the trainer's start to its last reported step.
+        """
+        if self.usage_recorded:
+            return
+        self.usage_recorded = True
+        cumulative = max(total_tokens, self.progress.tokens_seen or 0)
+        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        seconds = self.progress.seconds
+        tokens = max(0, cumulative - earlier)
+        await store.add_training_usage(
+            conn,
+            org_id=self.org_id,
+            job_id=self.job_id,
+            base_model=self.job["model"],
+            method=self.job["method"]["type"],
+            trained_tokens=tokens,
+            steps=max(0, (self.progress.step or 0) - self.progress.start_step),
+            seconds=seconds,
+            outcome=outcome,
+        )
+        # The request guard's month counter in Redis counts this spend too, so completions see the budget that
+        # training used (a rolled-back transaction would over-count: budgets err on the strict side).
+        cost = training_cost(self.settings, self.job["model"], tokens, seconds)
+        if self.spend is not None and cost > 0:
+            await self.spend.add_spent(month_key(self.org_id), to_micro(cost))
+
+    def forget_usage(self) -> None:
+        """The transaction that wrote the usage row was rolled back: write it again on the next try."""
+        self.usage_recorded = False

@@ -1,0 +1,256 @@
+"""The trainer process of one attempt: spawn `python -m trainer run SPEC.json`, read its events, heartbeat
+the job, and stop the trainer when the job is cancelled or paused.
+
+The trainer dies with the worker (`PR_SET_PDEATHSIG`) and gets an environment of its own
+(:func:`trainer_env`). Each stdout line is one `TrainerEvent`, parsed by `trainer.spec.EVENT`: progress
+events go to the caller's `record` (retried while PostgreSQL is away), and the last `result`, `error` or
+`stopped` ends the run; a trainer that exits without one has crashed, and its stderr's tail says why.
+
+The heartbeat, every `heartbeat_interval_s`, proves this worker still holds the job and reads its status:
+anything but `running` stops the trainer (SIGTERM: it checkpoints and exits; SIGKILL after `stop_grace_s`).
+While the job runs, each beat also calls the caller's `on_running` (the budget check).
+
+A job whose grader calls a model (`score_model`, `label_model`) gets a key minted for its organisation
+(`gateway.tenancy.scoped`, kind `job`) for the life of its trainer: the trainer's model graders call the
+gateway's own `/v1/chat/completions` with it (`inference_base_url` in the spec, the key in the trainer's
+environment, `trainer.spec.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
+organisation's, and its calls are rate-limited, held to the budget and metered under the key's id. The
+heartbeat renews the key; it is revoked when the trainer ends, and expires within `KEY_TTL_S` when the worker
+dies first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+from pydantic import ValidationError
+
+from gateway.settings import Settings
+from gateway.tenancy import scoped
+from gateway.worker import store
+from gateway.worker.job.ingest import Progress, ProgressEvent
+from gateway.worker.resilience import until_database_answers
+from trainer.spec import EVENT, INFERENCE_KEY_ENV, ErrorEvent, ResultEvent, StoppedEvent
+
+logger = logging.getLogger(__name__)
+
+KEY_TTL_S = 300.0
+"""Life of a job's key between renewals (the heartbeat renews it every third of that)."""
+_PR_SET_PDEATHSIG = 1
+
+TRAINER_ENV_PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH")
+"""Host variables the trainer gets as they are (with those of `TRAINER_ENV_PREFIXES`)."""
+TRAINER_ENV_PREFIXES = (
+    "CUDA_",
+    "NVIDIA_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TORCH",
+    "PYTORCH_",
+    "VLLM_",
+    "NCCL_",
+    "OMP_",
+    "MKL_",
+)
+
+
+def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, str]:
+    """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
+    worker's settings. The trainer reads its spec; the database and Redis URLs, the admin key and the Stripe
+    key stay in the worker. `inference_key`, the job's own key for its model graders, is the one secret it
+    gets."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name in TRAINER_ENV_PASSED or name.startswith(TRAINER_ENV_PREFIXES)
+    }
+    env.setdefault("PATH", "/usr/bin:/bin")
+    env.update(PYTHONUNBUFFERED="1", HOME=str(workdir))
+    if inference_key is not None:
+        env[INFERENCE_KEY_ENV] = inference_key
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the trainer child: get SIGKILL when the worker dies, so no orphan trains on."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.setsid()
+
+
+@dataclass
+class RunOutcome:
+    """How a trainer run ended: its last event, or ``None`` when the trainer died without one."""
+
+    event: ResultEvent | ErrorEvent | StoppedEvent | None
+    stderr_tail: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``result``, ``error``, ``stopped`` or ``crashed``."""
+        return self.event.type if self.event is not None else "crashed"
+
+
+class TrainerProcess:
+    """The trainer child of one attempt of one job, held by `worker_id`."""
+
+    def __init__(
+        self,
+        job: asyncpg.Record,
+        *,
+        workdir: Path,
+        pool: asyncpg.Pool,
+        settings: Settings,
+        worker_id: str,
+        progress: Progress,
+        on_running: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.job_id: str = job["id"]
+        self.org_id: str = job["organization_id"]
+        self.workdir = workdir
+        self.pool = pool
+        self.settings = settings
+        self.worker_id = worker_id
+        self.progress = progress
+        """Its step goes with each heartbeat; its start time is set here."""
+        self.on_running = on_running
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stop_reason: str | None = None
+        """Why the trainer was asked to stop (a job status, or `worker shutdown`); None while it may run."""
+        self.key_id: str | None = None
+        """The key minted for this run's model graders, while the trainer runs."""
+        self.key_renewed = 0.0
+
+    async def run(
+        self, spec: Path, *, with_key: bool, record: Callable[[ProgressEvent], Awaitable[None]]
+    ) -> RunOutcome:
+        """Run the trainer on `spec` to its end, `record`ing its progress events; `with_key`: mint the job's
+        key for the trainer's life."""
+        if not with_key:
+            return await self._run(spec, trainer_env(self.workdir), record)
+        key = await scoped.mint(
+            self.pool, org_id=self.org_id, kind="job", name=f"job {self.job_id}", ttl_s=KEY_TTL_S
+        )
+        self.key_id, self.key_renewed = key.id, time.monotonic()
+        try:
+            return await self._run(spec, trainer_env(self.workdir, key.secret), record)
+        finally:
+            self.key_id = None
+            try:
+                await asyncio.shield(scoped.revoke(self.pool, key.id))
+            except (OSError, asyncpg.PostgresError) as exc:  # it expires within KEY_TTL_S anyway
+                logger.warning("job %s: could not revoke its key %s: %s", self.job_id, key.id, exc)
+
+    async def _run(
+        self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
+    ) -> RunOutcome:
+        stderr_path = self.workdir / "trainer.log"
+        with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "trainer",
+                "run",
+                str(spec),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                cwd=str(self.workdir),
+                preexec_fn=_die_with_parent,
+                limit=16 * 1024 * 1024,
+            )
+            self.progress.started_mono = time.monotonic()
+            beat = asyncio.create_task(self._heartbeat())
+            outcome: RunOutcome | None = None
+            try:
+                assert self.proc.stdout is not None
+                async for raw in self.proc.stdout:
+                    line = raw.decode("utf-8", "replace").strip()
+                    if not line:
+                        continue
+                    try:
+                        event = EVENT.validate_json(line)
+                    except ValidationError:
+                        logger.warning("job %s: trainer wrote a non-event line: %.200s", self.job_id, line)
+                        continue
+                    if isinstance(event, ResultEvent | ErrorEvent | StoppedEvent):
+                        outcome = RunOutcome(event)
+                        continue
+                    await until_database_answers(
+                        functools.partial(record, event),
+                        what=f"job {self.job_id}",
+                        within_s=self.settings.stale_after_s,
+                    )
+                await self.proc.wait()
+            finally:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+        if outcome is None:
+            tail = _tail(stderr_path)
+            message = tail or f"trainer exited with code {self.proc.returncode}"
+            outcome = RunOutcome(ErrorEvent(code="trainer_crashed", message=message), tail)
+        return outcome
+
+    async def stop(self, reason: str) -> None:
+        """Ask the trainer to checkpoint and exit (SIGTERM); kill it if it does not within the grace time."""
+        self.stop_reason = reason
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+
+        async def _kill_later() -> None:
+            await asyncio.sleep(self.settings.stop_grace_s)
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+        asyncio.get_running_loop().create_task(_kill_later())
+
+    async def exited(self) -> None:
+        """Wait up to `stop_grace_s` for a stopped trainer to exit."""
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.proc.wait(), self.settings.stop_grace_s)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                status = await store.heartbeat(
+                    self.pool, job_id=self.job_id, worker_id=self.worker_id, step=self.progress.step
+                )
+                if self.key_id is not None and time.monotonic() - self.key_renewed > KEY_TTL_S / 3:
+                    await scoped.renew(self.pool, self.key_id, ttl_s=KEY_TTL_S)
+                    self.key_renewed = time.monotonic()
+            except (OSError, asyncpg.PostgresError) as exc:
+                logger.warning("job %s: heartbeat failed: %s", self.job_id, exc)
+                continue
+            if status != "running" and self.stop_reason is None:
+                logger.info("job %s is %s: stopping its trainer", self.job_id, status)
+                await self.stop(status or "lost")
+            elif status == "running" and self.stop_reason is None:
+                await self.on_running()
+
+
+def _tail(path: Path, lines: int = 1) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    meaningful = [t for t in text if t.strip()]
+    return " ".join(meaningful[-lines:])[-500:]

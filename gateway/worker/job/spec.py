@@ -1,0 +1,101 @@
+"""Writing the spec: a claimed job's work dir and its `spec.json`, the `TrainerSpec` the trainer reads.
+
+The training, validation and environment files are looked up by id when the attempt starts (a file deleted
+since the job was created fails the attempt), and an environment package is unpacked again under the same
+caps as its upload check. A job whose grader calls a model is pointed at the gateway's own `/v1`
+(`inference_base_url`); the key for it travels in the trainer's environment, never in this file. The
+names the job's models are registered under start from `fine_tuned_model_name`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import asyncpg
+
+from envsdk.graders import model_fields
+from gateway.blobstore import BlobStore
+from gateway.settings import Settings
+from gateway.worker import store
+from trainer.spec import TrainerSpec
+
+
+def calls_models(job: asyncpg.Record) -> bool:
+    """Whether the job's grader calls a model (and so its trainer needs the gateway and a key)."""
+    method = job["method"]
+    grader = (method.get(method["type"]) or {}).get("grader")
+    return isinstance(grader, dict) and bool(model_fields(grader))
+
+
+def fine_tuned_model_name(job: asyncpg.Record) -> str:
+    """`ft:<base>:<org>:<suffix>:<job>` (an empty suffix leaves an empty field, as OpenAI does)."""
+    return f"ft:{job['model']}:{job['organization_id']}:{job['suffix'] or ''}:{job['id']}"
+
+
+async def write_spec(
+    job: asyncpg.Record, *, workdir: Path, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings
+) -> Path:
+    """Make `workdir` (unpacking the environment package there) and write the job's `spec.json` in it."""
+    org_id: str = job["organization_id"]
+
+    async def file_path(file_id: str) -> Path:
+        key = await store.file_blob_key(pool, file_id=file_id, org_id=org_id)
+        if key is None:
+            raise FileNotFoundError(f"file {file_id} was deleted before training started")
+        return blobs.path(key)
+
+    method = job["method"]
+    kind = method["type"]
+    body = method.get(kind, {})
+    archive, environment = None, None
+    if body.get("environment"):
+        archive = await file_path(body["environment"]["file_id"])
+        environment = {
+            "package_dir": str(workdir / "environment"),
+            "config": body["environment"].get("config", {}),
+        }
+    validation = job["validation_file"]
+    spec = TrainerSpec.model_validate(
+        {
+            "job_id": job["id"],
+            "method": kind,
+            "base_model": str(settings.base_model_path(job["model"])),
+            "training_file": str(await file_path(job["training_file"])),
+            "validation_file": str(await file_path(validation)) if validation else None,
+            "output_dir": str(workdir / "out"),
+            "resume_from_checkpoint": job["last_checkpoint"],
+            "seed": job["seed"],
+            "hyperparameters": body["hyperparameters"],
+            "grader": body.get("grader"),
+            "environment": environment,
+            "inference_base_url": f"{settings.internal_gateway_url()}/v1" if calls_models(job) else None,
+            "inference_api_key": None,  # in the trainer's environment, not in this file
+            "allow_unsandboxed": settings.allow_unsandboxed_environments,
+            "sandbox_maxima": settings.sandbox_maxima().as_dict(),
+        }
+    )
+    return await asyncio.to_thread(_write, settings, workdir, spec, archive)
+
+
+def _write(settings: Settings, workdir: Path, spec: TrainerSpec, archive: Path | None) -> Path:
+    """Make the work dir, unpack the environment package (again under the same caps as its upload check)
+    and write `spec.json` (blocking; run in a thread)."""
+    from envsdk.archive import safe_extract
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    if archive is not None:
+        package_dir = workdir / "environment"
+        shutil.rmtree(package_dir, ignore_errors=True)
+        workdir.chmod(0o755)  # the sandbox's own uid reads the package
+        safe_extract(
+            archive,
+            package_dir,
+            max_entries=settings.environment_max_entries,
+            max_total_bytes=settings.environment_max_unpacked_bytes,
+            max_ratio=settings.environment_max_ratio,
+        )
+    path = workdir / "spec.json"
+    path.write_text(spec.model_dump_json(indent=2))
+    return path
