@@ -4,7 +4,6 @@ resume, determinism, and clear errors for bad input."""
 from __future__ import annotations
 
 import json
-import random
 import signal
 import statistics
 from pathlib import Path
