@@ -135,7 +135,8 @@ def test_reinforcement_learns_to_answer_with_the_number_only(tiny: Path, tmp_pat
     time; rewarding exactly the number must raise the reward.
 
     Recipe: 24 steps of 8 prompts x 8 completions of 8 tokens at tiny-chat's default RL learning rate
-    (5e-4). Over seeds 0-2 the first five steps averaged RANGE_FIRST and the last five RANGE_LAST.
+    (5e-4). Over seeds 0-2 the first five steps averaged 0.24-0.30 and the last five 0.43-0.46 (+0.15 to
+    +0.20); the gate is +0.1.
     """
     spec = make_spec(
         tmp_path,
@@ -163,7 +164,7 @@ def test_reinforcement_learns_to_answer_with_the_number_only(tiny: Path, tmp_pat
         statistics.mean(d["reward_mean"] for d in data[:5]),
         statistics.mean(d["reward_mean"] for d in data[-5:]),
     )
-    assert last >= first + 0.15, (first, last)
+    assert last >= first + 0.1, (first, last)
 
 
 @pytest.mark.slow
