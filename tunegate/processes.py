@@ -67,7 +67,7 @@ def _answers(url: str, status: int | None) -> bool:
     return code == status if status is not None else code < 500
 
 
-def wait_until(
+def _wait_until(
     ready: Callable[[], bool],
     awaited: str,
     timeout_s: float,
@@ -92,15 +92,7 @@ def wait_until(
 
 def wait_port(port: int, timeout: float = 60.0, proc: subprocess.Popen[Any] | None = None) -> None:
     """Block until something accepts connections on 127.0.0.1:`port` (failing early when `proc` exits)."""
-    wait_until(lambda: _listens(port), f"listener on port {port}", timeout, proc)
-
-
-def wait_http(
-    url: str, timeout: float = 60.0, proc: subprocess.Popen[Any] | None = None, *, status: int | None = None
-) -> None:
-    """Block until `url` answers a GET with `status`, or with anything under 500 when no status is given."""
-    awaited = f"answer {status or 'under 500'} from {url}"
-    wait_until(lambda: _answers(url, status), awaited, timeout, proc, every_s=0.2)
+    _wait_until(lambda: _listens(port), f"listener on port {port}", timeout, proc)
 
 
 def _terminate_with_parent() -> None:
@@ -174,14 +166,15 @@ class Process:
     def wait_port(self, port: int, timeout_s: float = 60.0) -> None:
         """Block until it listens on 127.0.0.1:`port`; `RuntimeError` if it exits first or time runs out."""
         awaited = f"listener on port {port}"
-        wait_until(
+        _wait_until(
             lambda: _listens(port), awaited, timeout_s, self.proc, name=self.name, log_path=self.log_path
         )
 
     def wait_http(self, url: str, timeout_s: float = 60.0, *, status: int | None = None) -> None:
-        """Block until `url` answers (as `wait_http`); `RuntimeError` if it exits first or time runs out."""
+        """Block until `url` answers a GET with `status`, or with anything under 500 when no status is given;
+        `RuntimeError` if it exits first or time runs out."""
         awaited = f"answer {status or 'under 500'} from {url}"
-        wait_until(
+        _wait_until(
             lambda: _answers(url, status),
             awaited,
             timeout_s,

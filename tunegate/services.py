@@ -76,6 +76,7 @@ class Services:
 def _start_postgres(folder: Path, embedded: list[Any]) -> str:
     import pgserver
 
+    folder.parent.mkdir(parents=True, exist_ok=True)
     server = pgserver.get_server(folder, cleanup_mode="stop")
     embedded.append(server)
     uri: str = server.get_uri()
