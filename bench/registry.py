@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "adapters": ("bench.adapters", "Adapters: cold load, first token, throughput with many adapters"),
     "sandbox": ("bench.sandbox", "Sandbox: reward calls per second, sandboxed vs in-process"),
     "metering": ("bench.metering", "Metering: usage rows per second sustained, none lost"),
+    "stalls": ("bench.stalls", "Stalls: one tenant's chat p99 while another sends the worst inputs"),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from envsdk.inference_client import InferenceError
-from envsdk.python_grader import PythonGraders, check_source
+from envsdk.python_grader import PythonGraders, oversize, source_problem
 
 if TYPE_CHECKING:
     from envsdk.inference_client import InferenceClient
@@ -75,6 +75,10 @@ FORMULA_FUNCTIONS: dict[str, Any] = {
     "clip": lambda x, lo, hi: max(lo, min(hi, x)),
 }
 """Functions a ``multi`` grader's ``calculate_output`` may call."""
+MAX_FORMULA_CHARS = 1000
+"""Longest ``calculate_output`` of a ``multi`` grader."""
+CPU_TYPES = frozenset({"string_check", "text_similarity"})
+"""Grader types that only compute (no model, no sandbox): see ``computes_only``."""
 MODEL_GRADER_DEFAULT_MAX_TOKENS = 256
 """Tokens a model grader's reply may have when its ``sampling_params`` name no cap (a score or a label, and
 some words around it)."""
@@ -179,13 +183,32 @@ def make_sample(output_text: str, output_tools: list[dict[str, Any]] | None = No
     return {"output_text": output_text, "output_json": output_json, "output_tools": output_tools}
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def enclosed(text: str, opening: str, closing: str) -> list[str]:
+    """What stands between each ``opening`` and the first ``closing`` after it, stripped, left to right.
+
+    What ``re.findall(r"OPEN\\s*(.*?)\\s*CLOSE", text, re.DOTALL)`` finds, in one pass: that pattern tries
+    the rest of the text from every opening that is never closed, so a text of many openings (a model
+    sample, a template) takes time in the square of its length.
+    """
+    found: list[str] = []
+    pos = 0
+    while (start := text.find(opening, pos)) >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:
+            break
+        found.append(text[start + len(opening) : end].strip())
+        pos = end + len(closing)
+    return found
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any]]:
     """Tool calls written as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen style)."""
     calls = []
-    for body in _TOOL_CALL_RE.findall(text):
+    for body in enclosed(text, TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
         try:
             data = json.loads(body)
         except ValueError:
@@ -229,11 +252,36 @@ def render_template(template: str, sample: dict[str, Any], item: dict[str, Any])
     return _TEMPLATE_RE.sub(lookup, template)
 
 
+def literal_chars(template: str) -> int:
+    """Characters of ``template`` outside its ``{{ ... }}`` variables: the least its rendering can hold."""
+    return len(_TEMPLATE_RE.sub("", template))
+
+
 # -- validation ------------------------------------------------------------------------------------------
 
 
-def validate_grader(grader: dict[str, Any], *, param: str = "grader") -> None:
-    """Check a grader definition; raise ``GraderError`` naming the first bad field."""
+def _too_long(what: str, size: int, most: int, unit: str, param: str) -> GraderError:
+    return GraderError(
+        f"{what} is {size} {unit}; at most {most} are allowed", param, code="string_above_max_length"
+    )
+
+
+def validate_grader(
+    grader: dict[str, Any],
+    *,
+    param: str = "grader",
+    max_source_bytes: int | None = None,
+    max_text_chars: int | None = None,
+    parse_sources: bool = True,
+) -> None:
+    """Check a grader definition; raise ``GraderError`` naming the first bad field.
+
+    Sizes are checked before any parsing: a python grader's ``source`` against ``max_source_bytes``, the
+    literal text of a ``string_check`` or ``text_similarity`` template against ``max_text_chars`` (None:
+    no cap; a process that serves many callers sets both). ``parse_sources=False`` leaves the parse of
+    python sources to the caller (see ``python_sources`` and ``envsdk.python_grader.source_problems``).
+    """
+    caps = {"max_source_bytes": max_source_bytes, "max_text_chars": max_text_chars}
     if not isinstance(grader, dict):
         raise GraderError("grader must be an object", param)
     gtype = grader.get("type")
@@ -243,14 +291,20 @@ def validate_grader(grader: dict[str, Any], *, param: str = "grader") -> None:
         )
     if "name" in grader and not isinstance(grader["name"], str):
         raise GraderError("name must be a string", f"{param}.name")
-    if gtype == "string_check":
+    if gtype in ("string_check", "text_similarity"):
         _require_str(grader, ("input", "reference"), param)
+        for key in ("input", "reference"):
+            if max_text_chars is not None and len(grader[key]) > max_text_chars:
+                size = literal_chars(grader[key])
+                if size > max_text_chars:
+                    what = f"{key} (without its variables)"
+                    raise _too_long(what, size, max_text_chars, "characters", f"{param}.{key}")
+    if gtype == "string_check":
         if grader.get("operation") not in STRING_CHECK_OPERATIONS:
             raise GraderError(
                 f"operation must be one of {', '.join(STRING_CHECK_OPERATIONS)}", f"{param}.operation"
             )
     elif gtype == "text_similarity":
-        _require_str(grader, ("input", "reference"), param)
         metric = grader.get("evaluation_metric")
         if metric in REFUSED_METRICS:
             raise GraderError(
@@ -264,10 +318,13 @@ def validate_grader(grader: dict[str, Any], *, param: str = "grader") -> None:
                 f"{param}.evaluation_metric",
             )
     elif gtype == "python":
-        try:
-            check_source(grader.get("source"))
-        except ValueError as exc:
-            raise GraderError(str(exc), f"{param}.source") from None
+        source = grader.get("source")
+        source_size = oversize(source, max_source_bytes) if isinstance(source, str) else None
+        if source_size is not None:
+            raise _too_long("source", source_size, int(max_source_bytes or 0), "bytes", f"{param}.source")
+        problem = source_problem(source, parse=parse_sources)
+        if problem is not None:
+            raise GraderError(problem, f"{param}.source")
     elif gtype in ("score_model", "label_model"):
         _require_str(grader, ("model",), param)
         messages = grader.get("input")
@@ -290,7 +347,12 @@ def validate_grader(grader: dict[str, Any], *, param: str = "grader") -> None:
             labels, passing = grader.get("labels"), grader.get("passing_labels")
             if not isinstance(labels, list) or not labels or not all(isinstance(x, str) for x in labels):
                 raise GraderError("labels must be a non-empty list of strings", f"{param}.labels")
-            if not isinstance(passing, list) or not passing or not set(passing) <= set(labels):
+            if (
+                not isinstance(passing, list)
+                or not passing
+                or not all(isinstance(x, str) for x in passing)
+                or not set(passing) <= set(labels)
+            ):
                 raise GraderError(
                     "passing_labels must be a non-empty subset of labels", f"{param}.passing_labels"
                 )
@@ -301,7 +363,7 @@ def validate_grader(grader: dict[str, Any], *, param: str = "grader") -> None:
         for name, sub in subs.items():
             if isinstance(sub, dict) and sub.get("type") == "multi":
                 raise GraderError("multi graders cannot be nested", f"{param}.graders.{name}.type")
-            validate_grader(sub, param=f"{param}.graders.{name}")
+            validate_grader(sub, param=f"{param}.graders.{name}", parse_sources=parse_sources, **caps)
         formula = grader.get("calculate_output")
         if not isinstance(formula, str) or not formula.strip():
             raise GraderError("calculate_output must be a formula", f"{param}.calculate_output")
@@ -377,6 +439,65 @@ def _sub_graders(grader: dict[str, Any], param: str) -> dict[str, dict[str, Any]
     raise GraderError("graders must be an object or a list", f"{param}.graders")
 
 
+def python_sources(grader: Any, param: str = "grader") -> list[tuple[str, Any]]:
+    """``(param, source)`` of every python grader in ``grader`` (itself, or a ``multi``'s sub-graders), named
+    as ``validate_grader`` names them; a malformed grader yields what can be found (validation reports it)."""
+    if not isinstance(grader, dict):
+        return []
+    if grader.get("type") == "python":
+        return [(f"{param}.source", grader.get("source"))]
+    if grader.get("type") != "multi":
+        return []
+    try:
+        subs = _sub_graders(grader, param)
+    except GraderError:
+        return []
+    return [
+        (f"{param}.graders.{name}.source", sub.get("source"))
+        for name, sub in subs.items()
+        if isinstance(sub, dict) and sub.get("type") == "python"
+    ]
+
+
+def computes_only(grader: dict[str, Any]) -> bool:
+    """Whether grading with (a valid) ``grader`` is computation alone: every grader in it is of
+    ``CPU_TYPES``, so it calls no model and starts no sandbox."""
+    if grader.get("type") == "multi":
+        return all(sub.get("type") in CPU_TYPES for sub in _sub_graders(grader, "grader").values())
+    return grader.get("type") in CPU_TYPES
+
+
+def check_texts(
+    grader: dict[str, Any],
+    sample: dict[str, Any] | str,
+    item: dict[str, Any] | None,
+    *,
+    max_text_chars: int,
+    param: str = "grader",
+) -> None:
+    """Raise ``GraderError`` (``string_above_max_length``) naming the field when a (valid) ``grader``'s
+    ``string_check`` or ``text_similarity`` text, its templates filled in from ``sample`` and ``item``, is
+    longer than ``max_text_chars``: what grading would refuse, told before any scoring."""
+    if isinstance(sample, str):
+        sample = make_sample(sample)
+    graders = (
+        {f"{param}.graders.{name}": sub for name, sub in _sub_graders(grader, param).items()}
+        if grader.get("type") == "multi"
+        else {param: grader}
+    )
+    for where, sub in graders.items():
+        if sub.get("type") not in CPU_TYPES:
+            continue
+        for key in ("input", "reference"):
+            try:
+                size = len(render_template(str(sub[key]), sample, item or {}))
+            except _GradeFailure:
+                continue  # a missing variable: grading reports it
+            if size > max_text_chars:
+                what = f"{key} (with its variables filled in)"
+                raise _too_long(what, size, max_text_chars, "characters", f"{where}.{key}")
+
+
 _FORMULA_NODES = (
     ast.Expression,
     ast.BinOp,
@@ -396,11 +517,16 @@ _FORMULA_NODES = (
 
 
 def _check_formula(formula: str, names: set[str], param: str) -> None:
-    """Allow arithmetic over sub-grader names and ``FORMULA_FUNCTIONS`` only (no attributes, subscripts)."""
+    """Allow arithmetic over sub-grader names and ``FORMULA_FUNCTIONS`` only (no attributes, subscripts),
+    in at most ``MAX_FORMULA_CHARS`` characters (checked before the parse)."""
+    if len(formula) > MAX_FORMULA_CHARS:
+        raise _too_long("calculate_output", len(formula), MAX_FORMULA_CHARS, "characters", param)
     try:
         tree = ast.parse(formula, mode="eval")
     except SyntaxError as exc:
         raise GraderError(f"calculate_output is not a valid formula: {exc.msg}", param) from None
+    except (RecursionError, MemoryError, ValueError) as exc:
+        raise GraderError(f"calculate_output is not a valid formula: {type(exc).__name__}", param) from None
     for node in ast.walk(tree):
         if not isinstance(node, _FORMULA_NODES):
             raise GraderError(f"calculate_output may not use {type(node).__name__}", param)
@@ -434,8 +560,12 @@ def grade(
     *,
     inference: InferenceClient | None = None,
     python: PythonGraders | None = None,
+    max_text_chars: int | None = None,
 ) -> GradeResult:
     """Score one sample (a ``make_sample`` dict, or the output text) against one dataset row ``item``.
+
+    ``max_text_chars`` (None: no cap) bounds each text a ``string_check`` or ``text_similarity`` compares
+    once its templates are filled in; a longer one is an ``other_error`` of this sample, reward 0.
 
     The grader should have passed ``validate_grader``; problems met while grading (a missing template
     variable, a failing formula, an unreachable model grader, a python grader that raised) set the matching
@@ -446,10 +576,19 @@ def grade(
     if own_python:
         python = PythonGraders()
     try:
-        return _grade(grader, sample, item, inference, python)
+        return _grade(grader, sample, item, inference, python, max_text_chars)
     finally:
         if own_python and python is not None:
             python.close()
+
+
+def grade_within(
+    grader: dict[str, Any], sample: dict[str, Any] | str, item: dict[str, Any] | None, max_text_chars: int
+) -> GradeResult:
+    """``check_texts``, then ``grade``: a text over the cap is refused (``GraderError``), not scored. For a
+    grader that ``computes_only`` (a module-level function, so a process pool can run it)."""
+    check_texts(grader, sample, item, max_text_chars=max_text_chars)
+    return grade(grader, sample, item, max_text_chars=max_text_chars)
 
 
 def _uses_python(grader: dict[str, Any]) -> bool:
@@ -466,6 +605,7 @@ def _grade(
     item: dict[str, Any] | None,
     inference: InferenceClient | None,
     python: PythonGraders | None,
+    max_text_chars: int | None = None,
 ) -> GradeResult:
     if isinstance(sample, str):
         sample = make_sample(sample)
@@ -476,9 +616,9 @@ def _grade(
     )
     try:
         if grader.get("type") == "multi":
-            result.reward = _grade_multi(grader, sample, item, inference, python, result)
+            result.reward = _grade_multi(grader, sample, item, inference, python, result, max_text_chars)
         else:
-            result.reward = _grade_one(grader, sample, item, inference, python, result)
+            result.reward = _grade_one(grader, sample, item, inference, python, result, max_text_chars)
     except _GradeFailure as exc:
         result.reward = 0.0
         result.errors[exc.flag] = True
@@ -513,10 +653,11 @@ def _grade_multi(
     inference: InferenceClient | None,
     python: PythonGraders | None,
     result: GradeResult,
+    max_text_chars: int | None,
 ) -> float:
     values: dict[str, float] = {}
     for name, sub in _sub_graders(grader, "grader").items():
-        values[name] = _grade_one(sub, sample, item, inference, python, result)
+        values[name] = _grade_one(sub, sample, item, inference, python, result, max_text_chars)
     result.sub_rewards = dict(values)
     try:
         return evaluate_formula(str(grader.get("calculate_output", "")), values)
@@ -533,12 +674,13 @@ def _grade_one(
     inference: InferenceClient | None,
     python: PythonGraders | None,
     result: GradeResult,
+    max_text_chars: int | None = None,
 ) -> float:
     gtype = grader.get("type")
     if gtype == "string_check":
-        return _string_check(grader, sample, item)
+        return _string_check(grader, sample, item, max_text_chars)
     if gtype == "text_similarity":
-        return _text_similarity(grader, sample, item)
+        return _text_similarity(grader, sample, item, max_text_chars)
     if gtype in ("score_model", "label_model"):
         return _model_grade(grader, sample, item, inference, result)
     if gtype == "python":
@@ -546,9 +688,26 @@ def _grade_one(
     raise GraderError(f"unknown grader type {gtype!r}", "grader.type")
 
 
-def _string_check(grader: dict[str, Any], sample: dict[str, Any], item: dict[str, Any]) -> float:
-    value = render_template(str(grader["input"]), sample, item)
-    reference = render_template(str(grader["reference"]), sample, item)
+def _texts(
+    grader: dict[str, Any], sample: dict[str, Any], item: dict[str, Any], max_text_chars: int | None
+) -> tuple[str, str]:
+    """The grader's ``input`` and ``reference`` rendered, each at most ``max_text_chars`` long."""
+    texts = (
+        render_template(str(grader["input"]), sample, item),
+        render_template(str(grader["reference"]), sample, item),
+    )
+    for key, text in zip(("input", "reference"), texts, strict=True):
+        if max_text_chars is not None and len(text) > max_text_chars:
+            raise _GradeFailure(
+                "other_error", f"{key} is {len(text)} characters; at most {max_text_chars} are compared"
+            )
+    return texts
+
+
+def _string_check(
+    grader: dict[str, Any], sample: dict[str, Any], item: dict[str, Any], max_text_chars: int | None
+) -> float:
+    value, reference = _texts(grader, sample, item, max_text_chars)
     op = grader["operation"]
     if op == "eq":
         return float(value == reference)
@@ -561,9 +720,10 @@ def _string_check(grader: dict[str, Any], sample: dict[str, Any], item: dict[str
     raise GraderError(f"unknown operation {op!r}", "grader.operation")
 
 
-def _text_similarity(grader: dict[str, Any], sample: dict[str, Any], item: dict[str, Any]) -> float:
-    hypothesis = render_template(str(grader["input"]), sample, item)
-    reference = render_template(str(grader["reference"]), sample, item)
+def _text_similarity(
+    grader: dict[str, Any], sample: dict[str, Any], item: dict[str, Any], max_text_chars: int | None
+) -> float:
+    hypothesis, reference = _texts(grader, sample, item, max_text_chars)
     metric = grader["evaluation_metric"]
     if metric == "fuzzy_match":
         from rapidfuzz import fuzz

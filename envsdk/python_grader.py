@@ -62,19 +62,53 @@ cpu_s = 600
 """
 
 
-def check_source(source: Any) -> None:
-    """Raise ``ValueError`` unless ``source`` parses and defines a top-level ``grade`` function."""
+def oversize(source: str, max_bytes: int | None) -> int | None:
+    """The size of ``source`` in UTF-8 bytes when it is over ``max_bytes``; else None (also for no cap)."""
+    if max_bytes is None or len(source) <= max_bytes // 4:  # a character is 1 to 4 bytes
+        return None
+    size = len(source.encode("utf-8", "surrogatepass"))
+    return size if size > max_bytes else None
+
+
+def source_problem(source: Any, *, max_bytes: int | None = None, parse: bool = True) -> str | None:
+    """Why ``source`` cannot be a python grader (None when it can): it must be a non-empty string of at
+    most ``max_bytes`` UTF-8 bytes (None: any size) that parses and defines a top-level ``grade`` function.
+
+    The size is checked before anything is parsed. ``parse=False`` checks the string and its size only:
+    ``ast.parse`` holds the interpreter's lock for its whole run (about a second a megabyte), so a shared
+    process parses large sources elsewhere (the gateway: in its CPU pool) and skips it here.
+    """
     if not isinstance(source, str) or not source.strip():
-        raise ValueError("source must be Python code defining grade(sample, item)")
+        return "source must be Python code defining grade(sample, item)"
+    size = oversize(source, max_bytes)
+    if size is not None:
+        return f"source is {size} bytes; python graders are limited to {max_bytes} bytes"
+    if not parse:
+        return None
     try:
         tree = ast.parse(source)
     except SyntaxError as exc:
-        raise ValueError(f"source is not valid Python: line {exc.lineno}: {exc.msg}") from None
+        return f"source is not valid Python: line {exc.lineno}: {exc.msg}"
+    except (RecursionError, MemoryError, ValueError) as exc:  # nesting the parser gives up on, NUL bytes
+        return f"source is not valid Python: {type(exc).__name__}"
     if not any(
         isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "grade"
         for node in tree.body
     ):
-        raise ValueError("source must define a top-level function grade(sample, item)")
+        return "source must define a top-level function grade(sample, item)"
+    return None
+
+
+def source_problems(sources: list[Any], max_bytes: int | None = None) -> list[str | None]:
+    """``source_problem`` of each source, parsed (a picklable batch for a process pool)."""
+    return [source_problem(source, max_bytes=max_bytes) for source in sources]
+
+
+def check_source(source: Any, *, max_bytes: int | None = None, parse: bool = True) -> None:
+    """Raise ``ValueError`` with ``source_problem``'s reason unless ``source`` can be a python grader."""
+    problem = source_problem(source, max_bytes=max_bytes, parse=parse)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class PythonGrader:
@@ -91,7 +125,9 @@ class PythonGrader:
     ) -> None:
         from envsdk.sandbox import owned_tempdir
 
-        check_source(source)
+        # Not parsed here: the sandbox's import of the module reports a source that is not Python (as
+        # the runtime error of each call), and every caller validated the grader before grading with it.
+        check_source(source, parse=False)
         self.source = source
         self.allow_unsandboxed = allow_unsandboxed
         self.maxima = maxima

@@ -28,6 +28,7 @@ from gateway.limits.guard import Guard
 from gateway.limits.router import router as limits_router
 from gateway.middleware import Metrics, RequestContextMiddleware
 from gateway.models.router import router as models_router
+from gateway.offload import Offload
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
 from gateway.serving.router import router as serving_router
@@ -47,10 +48,12 @@ class GatewayApp(FastAPI):
     completions it serves itself never enter Starlette's middleware stack (error, telemetry and body-limit
     layers that the proxy path handles on its own)."""
 
-    def __init__(self, *, metrics: Metrics, **kwargs: Any) -> None:
+    def __init__(self, *, metrics: Metrics, max_body_bytes: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.state.metrics = metrics
-        self._outer = RequestContextMiddleware(super().__call__, metrics=metrics)
+        self._outer = RequestContextMiddleware(
+            super().__call__, metrics=metrics, max_body_bytes=max_body_bytes
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self
@@ -70,6 +73,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max
         )
         auth = Authenticator(pool, ttl_s=settings.auth_cache_ttl_s)
+        offload = Offload(settings)
         queue = make_queue(settings.redis_url) if settings.redis_url else None
         res = Resources(
             settings=settings,
@@ -79,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
             queue=queue,
             admin_key=settings.admin_key_value(),
             serving=ServingState(settings),
+            offload=offload,
             extras={"started_at": int(time.time())},
         )
         assert res.serving is not None
@@ -106,9 +111,11 @@ def create_app(settings: Settings) -> FastAPI:
             if queue is not None:
                 await queue.aclose()
             await pool.close()
+            await asyncio.to_thread(offload.close)
 
     app = GatewayApp(
         metrics=Metrics(),
+        max_body_bytes=settings.max_request_body_bytes,
         title="tunegate",
         version="0.1.0",
         lifespan=lifespan,

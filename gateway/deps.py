@@ -12,6 +12,7 @@ from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
 from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.offload import Offload
 from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator, Principal, bearer_token
@@ -29,6 +30,8 @@ class Resources:
     admin_key: str | None
     serving: ServingState | None = None
     """Serving state: the pooled client to the inference engines, adapter loads, model cache, usage."""
+    offload: Offload | None = None
+    """Sandbox slots and the CPU pool, with each organisation's share (`gateway.offload`)."""
     extras: dict[str, object] = field(default_factory=dict)
 
 

@@ -1,4 +1,5 @@
-"""One plain ASGI middleware for every request: an `x-request-id`, and Prometheus request metrics.
+"""One plain ASGI middleware for every request: an `x-request-id`, Prometheus request metrics, and the
+request body cap (`gateway.bodylimit`: a body over it is a 413 before the app reads any of it).
 
 Plain ASGI (not `BaseHTTPMiddleware`) so streamed responses pass through untouched and cheaply. Metric
 children are looked up once per (method, route, status) and kept: `labels()` costs more than the update.
@@ -16,6 +17,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import bodylimit
+from gateway.errors import PayloadTooLarge, error_response
 from gateway.serving.router import PROXY_PATHS, proxy_asgi
 
 
@@ -63,9 +66,10 @@ class Metrics:
 
 
 class RequestContextMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body_bytes: int | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,6 +94,15 @@ class RequestContextMiddleware:
             await send(message)
 
         try:
+            if self.max_body_bytes is not None and bodylimit.applies(scope):
+                try:
+                    capped = await bodylimit.read_capped(scope, receive, self.max_body_bytes)
+                except PayloadTooLarge as exc:
+                    await error_response(exc)(scope, receive, send_wrapper)
+                    return
+                if capped is None:  # the client left before its body was complete: nobody to answer
+                    return
+                receive = capped
             if fast:
                 await proxy_asgi(scope, receive, send_wrapper)
             else:

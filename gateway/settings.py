@@ -84,6 +84,32 @@ class Settings(BaseSettings):
     """Largest environment package archive."""
     max_json_depth: int = Field(default=64, ge=2)
     """Deepest nesting of arrays and objects in a request body or a JSONL line; deeper JSON is refused."""
+    max_request_body_bytes: int = Field(default=2 * 1024 * 1024, ge=1024)
+    """Largest body of any request but a file upload (`POST /v1/files` has `max_upload_bytes`): completions,
+    graders, evals, jobs. A declared `Content-Length` over it is refused with 413 before the body is read, a
+    streamed body as soon as it passes it. JSON is parsed on the event loop (2 MiB of escaped text: about
+    10 ms), so this also bounds how long one request can hold everyone else's."""
+    grader_max_source_bytes: int = Field(default=256 * 1024, ge=1)
+    """Largest `source` of a python grader, in UTF-8 bytes (OpenAI's limit); checked before it is parsed."""
+    grader_max_text_chars: int = Field(default=32 * 1024, ge=1)
+    """Longest text a grader reads on the gateway or a worker: the `model_sample` of `graders/run`, and each
+    `input` and `reference` of a `string_check` or `text_similarity` grader once its templates are filled in
+    (fuzzy matching and ROUGE-L grow with the square of the length). Longer: a 400 naming the field in
+    `graders/run`, an error of the item (score 0) in an eval run."""
+    sandbox_slots: int = Field(default=16, ge=1)
+    """Sandboxed calls one gateway process runs at once (`environments/run`, `graders/run`, environment
+    upload checks), on threads of their own: never the thread pool that uploads and other requests use.
+    A call that finds them all taken waits up to `sandbox_wait_s`."""
+    sandbox_slots_per_organization: int = Field(default=4, ge=1)
+    """Sandboxed calls and CPU-heavy checks one organisation may have running at once on one gateway
+    process; one more is refused at once with 429 `concurrency_limit_exceeded` (retry when one finishes)."""
+    sandbox_wait_s: float = Field(default=30.0, gt=0)
+    """Longest time a sandboxed call waits for one of the gateway's `sandbox_slots`; then 503
+    `sandbox_busy` with `retry-after`."""
+    cpu_processes: int = Field(default=2, ge=1)
+    """Processes of the gateway's pool for CPU-heavy checks that would hold the interpreter's lock (parsing
+    a large python grader source, scoring `string_check` and `text_similarity` graders), so the event loop
+    never waits on them; started on first use."""
     environment_max_entries: int = 2000
     """Most files and folders an environment package archive may hold."""
     environment_max_unpacked_bytes: int = 100 * 1024 * 1024

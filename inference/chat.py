@@ -12,23 +12,44 @@ and ends as soon as the object is complete.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.engine import ChoiceEvent, GenerationRequest, ModelEngine
+from inference.engine import INLINE_TOKENIZE_CHARS, ChoiceEvent, GenerationRequest, ModelEngine
 from inference.errors import BadRequestError
 from inference.protocol import ChatCompletionRequest
 from inference.sampling import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+def split_tool_calls(text: str) -> tuple[list[str], str]:
+    """The bodies of the ``<tool_call>...</tool_call>`` blocks in ``text`` (stripped; an unclosed last
+    block runs to the end), and the text outside them. One pass: the equivalent lazy regex tries the rest
+    of the text from every opening that is never closed, which is quadratic in the output's length."""
+    bodies: list[str] = []
+    outside: list[str] = []
+    pos = 0
+    while (start := text.find(TOOL_CALL_OPEN, pos)) >= 0:
+        outside.append(text[pos:start])
+        end = text.find(TOOL_CALL_CLOSE, start + len(TOOL_CALL_OPEN))
+        if end < 0:
+            bodies.append(text[start + len(TOOL_CALL_OPEN) :].strip())
+            pos = len(text)
+            break
+        bodies.append(text[start + len(TOOL_CALL_OPEN) : end].strip())
+        pos = end + len(TOOL_CALL_CLOSE)
+    outside.append(text[pos:])
+    return bodies, "".join(outside)
 
 
 def _json_complete(text: str) -> bool:
@@ -128,8 +149,41 @@ def plan_chat(engine: ModelEngine, req: ChatCompletionRequest) -> ChatPlan:
     return plan
 
 
-def submit_chat(engine: ModelEngine, req: ChatCompletionRequest, plan: ChatPlan) -> GenerationRequest:
-    ids = engine.tokenizer(plan.prompt + plan.prefix, add_special_tokens=False)["input_ids"]
+def content_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text contents, which the chat template writes into the prompt: the
+    least the prompt holds, counted without rendering anything."""
+    chars = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                chars += len(text) if isinstance(text, str) else 0
+    return chars
+
+
+def _render(engine: ModelEngine, req: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
+    plan = plan_chat(engine, req)
+    text = plan.prompt + plan.prefix
+    engine.check_prompt_chars(len(text), "messages")  # tools are written into the prompt too
+    return plan, engine.encode(text, add_special_tokens=False)
+
+
+async def prepare_chat(engine: ModelEngine, req: ChatCompletionRequest) -> tuple[ChatPlan, list[int]]:
+    """The plan and the prompt's token ids: refused by length alone when the messages cannot fit the
+    context, rendered and tokenized on a thread when they are long."""
+    chars = content_chars(req.messages)
+    engine.check_prompt_chars(chars, "messages")
+    if chars <= INLINE_TOKENIZE_CHARS and not req.tools:
+        return _render(engine, req)
+    return await asyncio.to_thread(_render, engine, req)
+
+
+def submit_chat(
+    engine: ModelEngine, req: ChatCompletionRequest, plan: ChatPlan, ids: list[int]
+) -> GenerationRequest:
     gen = GenerationRequest(
         prompt_ids=list(ids), params=req.to_sampling_params(engine.default_max_tokens), n=req.n
     )
@@ -158,8 +212,9 @@ def finish_choice(plan: ChatPlan, choice: _Choice) -> tuple[dict[str, Any], str]
         return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, "tool_calls"
     if plan.parse_tools and "<tool_call>" in choice.text:
         calls = []
-        for match in _TOOL_CALL.finditer(choice.text):
-            obj = _parse_object(match.group(1))
+        bodies, outside = split_tool_calls(choice.text)
+        for body in bodies:
+            obj = _parse_object(body)
             if obj is None or not isinstance(obj.get("name"), str):
                 continue
             args: Any = obj.get("arguments")
@@ -176,7 +231,7 @@ def finish_choice(plan: ChatPlan, choice: _Choice) -> tuple[dict[str, Any], str]
                 }
             )
         if calls:
-            content = _TOOL_CALL.sub("", choice.text).strip() or None
+            content = outside.strip() or None
             return {
                 "role": "assistant",
                 "content": content,
@@ -208,8 +263,8 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 
 async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> dict[str, Any]:
     """A whole ``chat.completion`` object."""
-    plan = plan_chat(engine, req)
-    gen = submit_chat(engine, req, plan)
+    plan, ids = await prepare_chat(engine, req)
+    gen = submit_chat(engine, req, plan, ids)
     choices = [_Choice() for _ in range(req.n)]
     try:
         async for event in gen.events():
@@ -242,8 +297,8 @@ def _accumulate(choice: _Choice, event: ChoiceEvent) -> None:
 
 async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncGenerator[str, None]:
     """``chat.completion.chunk`` SSE lines; the first is yielded only once the engine produced output."""
-    plan = plan_chat(engine, req)
-    gen = submit_chat(engine, req, plan)
+    plan, ids = await prepare_chat(engine, req)
+    gen = submit_chat(engine, req, plan, ids)
     chunk_id = "chatcmpl-" + secrets.token_hex(12)
     created = int(time.time())
     include_usage = req.include_usage()

@@ -23,7 +23,9 @@ from inference.sampling import TokenLogprob
 logger = logging.getLogger(__name__)
 
 
-def _prompts(engine: ModelEngine, req: CompletionRequest) -> list[list[int]]:
+async def _prompts(engine: ModelEngine, req: CompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids; a prompt that cannot fit the context is refused before it is tokenized
+    (texts by their length, token lists by their count), and a long text is tokenized on a thread."""
     prompt = req.prompt
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
@@ -33,17 +35,33 @@ def _prompts(engine: ModelEngine, req: CompletionRequest) -> list[list[int]]:
         items = list(prompt)
     if not items:
         raise BadRequestError("The prompt is empty.", param="prompt")
+    for item in items:
+        if isinstance(item, str):
+            engine.check_prompt_chars(len(item), "prompt")
+        else:
+            _within_context(engine, len(item))
     vocab = len(engine.tokenizer)
     out: list[list[int]] = []
     for item in items:
         if isinstance(item, str):
-            out.append(list(engine.tokenizer(item)["input_ids"]))
+            ids = await engine.encode_async(item)
+            _within_context(engine, len(ids))
         else:
             ids = [int(t) for t in item]
             if any(t < 0 or t >= vocab for t in ids):
                 raise BadRequestError("Token id out of range.", param="prompt")
-            out.append(ids)
+        out.append(ids)
     return out
+
+
+def _within_context(engine: ModelEngine, tokens: int) -> None:
+    """A 400 naming `prompt` when a prompt of `tokens` leaves no room in the context."""
+    if tokens >= engine.max_context:
+        raise BadRequestError(
+            f"The prompt has {tokens} tokens; this model's context is {engine.max_context}.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
 
 
 class _Legacy:
@@ -83,11 +101,12 @@ class _Legacy:
         }
 
 
-def _submit(engine: ModelEngine, req: CompletionRequest) -> list[GenerationRequest]:
+async def _submit(engine: ModelEngine, req: CompletionRequest) -> list[GenerationRequest]:
     adapter = engine.resolve(req.model)
+    prompts = await _prompts(engine, req)
     gens = []
     try:
-        for ids in _prompts(engine, req):
+        for ids in prompts:
             gen = GenerationRequest(
                 prompt_ids=ids,
                 params=req.to_sampling_params(engine.default_max_tokens),
@@ -109,7 +128,7 @@ def _usage(gens: list[GenerationRequest], completion: int) -> dict[str, int]:
 
 async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, Any]:
     """A whole ``text_completion`` object."""
-    gens = _submit(engine, req)
+    gens = await _submit(engine, req)
     choices: list[dict[str, Any]] = []
     completion_tokens = 0
     try:
@@ -154,7 +173,7 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
     """``text_completion`` SSE lines, choices of all prompts interleaved as they come."""
     import asyncio
 
-    gens = _submit(engine, req)
+    gens = await _submit(engine, req)
     cid = "cmpl-" + secrets.token_hex(12)
     created = int(time.time())
     include_usage = req.include_usage()

@@ -9,6 +9,11 @@ the new text to the request's asyncio queue, so streams see tokens as they come.
 cancelled (the client went away) or that finished are dropped from the batch and its cache; the loop ends
 when no row is left.
 
+Prompts are held to the model's context before they cost anything: text longer than the context times the
+longest token (``max_prompt_chars``) cannot fit and is refused by its length alone, and a long prompt is
+tokenized on a thread (the tokenizer lets go of the interpreter's lock), so a huge one never stalls the
+event loop that every other request shares.
+
 Several batches may be in flight at once (``max_concurrent_batches``): they interleave step by step under
 the model lock, so a long generation does not hold the others back. Adapter loads and unloads take the
 same lock between steps; adapters used by a running batch are pinned and never evicted.
@@ -34,6 +39,10 @@ from inference.sampling import SamplingParams, TokenLogprob, make_generator, sam
 logger = logging.getLogger(__name__)
 
 _request_ids = itertools.count(1)
+
+INLINE_TOKENIZE_CHARS = 8192
+"""Texts up to this long are tokenized on the event loop (well under a millisecond); longer ones on a
+thread."""
 
 _VISIBLE_SPECIALS = frozenset(
     {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
@@ -149,6 +158,11 @@ class ModelEngine:
         self.host = LoraHost(model)
         self.registry = AdapterRegistry(max_loras)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.longest_token_chars = _longest_token_chars(self.tokenizer)
+        self.max_prompt_chars = self.max_context * self.longest_token_chars
+        """No prompt longer than this fits the context: each token stands for at most
+        ``longest_token_chars`` characters (for byte-level BPE its bytes, which a character takes one or
+        more of)."""
         self._stop_ids = self._collect_stop_ids(model)
         self._hidden_ids = {
             int(i)
@@ -210,6 +224,28 @@ class ModelEngine:
             task.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    # ------------------------------------------------------------------ prompts
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A 400 ``context_length_exceeded`` naming ``param`` when a prompt of ``chars`` characters cannot
+        fit the context (checked before it is rendered or tokenized)."""
+        if chars > self.max_prompt_chars:
+            raise BadRequestError(
+                f"The prompt is {chars} characters; this model's context of {self.max_context} tokens holds "
+                f"at most {self.max_prompt_chars} characters.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (blocking: see ``encode_async``)."""
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    async def encode_async(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``: on the loop when it is short, else on a thread."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens=add_special_tokens)
+
     # ------------------------------------------------------------------ requests
     def resolve(self, model: str) -> Adapter | None:
         """The adapter called ``model`` (``None`` for the base model itself); 404 if unknown."""
@@ -229,6 +265,7 @@ class ModelEngine:
             raise BadRequestError(
                 f"The prompt has {len(req.prompt_ids)} tokens; this model's context is {self.max_context}.",
                 param="messages",
+                code="context_length_exceeded",
             )
         if req.params.max_tokens > budget:
             req.params.max_tokens = budget
@@ -542,3 +579,10 @@ class ModelEngine:
         row.pending = []
         row.pending_logprobs = []
         return event
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest token in ``tokenizer``'s vocabulary, as written there (for byte-level BPE,
+    one per byte; added and special tokens included)."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(t) for t in tokens if isinstance(t, str)), default=1) or 1

@@ -28,7 +28,7 @@ def _number(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n != "training"]  # training: its own test below
+    names = [n for n in BENCHES if n not in ("training", "stalls")]  # each: its own test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -150,6 +150,30 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
     assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
     assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
     assert "plain TRL" in (tmp_path / "B.md").read_text()
+
+
+def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "stalls", "--quick", "--results-dir", str(tmp_path)]
+        + ["--markdown", str(tmp_path / "B.md")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert (tmp_path / "latest.json").exists(), proc.stderr[-3000:]
+    s = json.loads((tmp_path / "latest.json").read_text())["benches"]["stalls"]
+    assert "error" not in s, s.get("traceback")
+    for side in ("idle", "attacked"):
+        assert s[side]["n"] > 0 and _number(s[side]["p99_ms"]) and s[side]["failures"] == 0
+    assert _number(s["p99_ratio"]) and _number(s["p50_ratio"]) and s["goal"] == 2.0
+    assert s["b_other"].get("uploads_failed", 0) == 0 and s["b_other"]["uploads_ok"] == s["rounds"]
+    assert s["b_other"].get("model_lists_failed", 0) == 0
+    answers = s["a_answers"]  # every worst input answered with its 4xx (or a 200 where it is legitimate)
+    assert answers.get("prompt_10mb 413") and answers.get("python_source_4mb 413")
+    assert answers.get("prompt_1mb 400") and answers.get("similarity_sample_1mb 400")
+    assert not any(key.rpartition(" ")[2].startswith("5") for key in answers), answers
+    assert "goal of 2x" in (tmp_path / "B.md").read_text()
 
 
 def test_only_a_full_run_rewrites_the_summary_file(tmp_path: Path) -> None:

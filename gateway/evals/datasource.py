@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envsdk.graders import render_template
+from envsdk.graders import enclosed, render_template
 from gateway import wire
 from gateway.errors import InvalidRequest
 from gateway.files.validation import iter_lines
@@ -39,7 +39,6 @@ FILE_PURPOSES = ("evals", "fine-tune")
 DEFAULT_THRESHOLD = 0.5
 """`pass_threshold` of `python` and `multi` criteria that name none."""
 
-_VARIABLE = re.compile(r"\{\{(.*?)\}\}", re.DOTALL)
 _ITEM_VARIABLE = re.compile(r"^\s*item(?:\.[A-Za-z0-9_\-]+|\[\s*-?\d+\s*\])*\s*$")
 _REFERENCE_PART = re.compile(r"\.([A-Za-z0-9_\-]+)|\[\s*(-?\d+)\s*\]")
 
@@ -78,8 +77,9 @@ def check_data_source_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_testing_criteria(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each criterion checked as a grader (the code that will grade with it), with a unique name (its type
-    when it has none) and a numeric `pass_threshold` where one is given or needed."""
+    """Each criterion checked as a grader (the code that will grade with it; the service then checks sizes
+    and parses python sources off the loop, `gateway.graders.checks`), with a unique name (its type when it
+    has none) and a numeric `pass_threshold` where one is given or needed."""
     if not criteria:
         raise InvalidRequest("testing_criteria must hold at least one grader.", param="testing_criteria")
     out: list[dict[str, Any]] = []
@@ -226,7 +226,7 @@ def _check_input_messages(value: Any) -> dict[str, Any]:
                 f"Each message needs a role among {', '.join(INPUT_ROLES)}.", param=f"{where}.role"
             )
         for text in _texts(message.get("content"), f"{where}.content"):
-            for variable in _VARIABLE.findall(text):
+            for variable in enclosed(text, "{{", "}}"):  # one pass (a regex would be quadratic)
                 if not _ITEM_VARIABLE.match(variable):
                     raise InvalidRequest(
                         f"Unknown template variable '{{{{{variable}}}}}': input messages may refer to the "

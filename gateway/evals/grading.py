@@ -29,13 +29,17 @@ def grade_item(
     *,
     inference: InferenceClient | None,
     python: PythonGraders | None,
+    max_text_chars: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, int]]]:
     """Each criterion's result (`name`, `type`, `score`, `passed`, `sample`, and `error` when it could not
-    grade), and the model graders' token usage by model. Blocking: run it in a thread."""
+    grade), and the model graders' token usage by model. Blocking: run it in a thread. A text longer than
+    `max_text_chars` (the settings' `grader_max_text_chars`) is an error of its criterion, not compared."""
     results: list[dict[str, Any]] = []
     usage: dict[str, dict[str, int]] = {}
     for criterion in criteria:
-        graded = grade(criterion, sample, item, inference=inference, python=python)
+        graded = grade(
+            criterion, sample, item, inference=inference, python=python, max_text_chars=max_text_chars
+        )
         result: dict[str, Any] = {
             "name": criterion["name"],
             "type": criterion["type"],

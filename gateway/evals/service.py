@@ -40,6 +40,7 @@ from gateway.evals.protocol import (
     RunCreate,
 )
 from gateway.files import store as files_store
+from gateway.graders.checks import check_grader
 from gateway.jobs.validation import check_metadata
 from gateway.protocol import CursorPage
 from gateway.queue import RUN_EVAL, enqueue
@@ -52,6 +53,8 @@ async def create_eval(res: Resources, who: Principal, body: EvalCreate) -> Eval:
     check_metadata(body.metadata)
     config = check_data_source_config(body.data_source_config)
     criteria = check_testing_criteria(body.testing_criteria)
+    for i, criterion in enumerate(criteria):
+        await check_grader(res, who.organization_id, criterion, f"testing_criteria[{i}]")
     row = await store.insert_eval(
         res.pool,
         org_id=who.organization_id,

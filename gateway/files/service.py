@@ -17,6 +17,7 @@ from gateway.files.protocol import PURPOSES, FileObject
 from gateway.files.upload import receive_upload
 from gateway.files.validation import check_jsonl
 from gateway.ids import new_id
+from gateway.offload import Offload
 from gateway.protocol import CursorPage
 from gateway.settings import Settings
 from gateway.wire import check_text
@@ -105,12 +106,16 @@ async def upload(
     blobs: BlobStore,
     settings: Settings,
     *,
+    offload: Offload,
     org_id: str,
     content_type: str | None,
     content_length: int | None,
     body: AsyncIterator[bytes],
 ) -> FileObject:
-    """Receive, check and store an upload. A refused upload leaves no row and no blob behind."""
+    """Receive, check and store an upload. A refused upload leaves no row and no blob behind.
+
+    An environment package's check starts it in the sandbox: one of the organisation's sandboxed calls,
+    on the offload's threads (`gateway.offload`), never the thread pool that other uploads write with."""
     limit = settings.max_upload_bytes
     if content_length is not None and content_length > limit + _MULTIPART_OVERHEAD:
         # Refused before a byte of the body is read: the declared length alone is over the cap.
@@ -136,7 +141,10 @@ async def upload(
             raise InvalidRequest(
                 "Fine-tuning files must be .jsonl.", param="file", code="invalid_file_format"
             )
-        line_count = await anyio.to_thread.run_sync(_check_content, temp, purpose, filename, settings)
+        if purpose == "environment":
+            line_count = await offload.thread(org_id, _check_content, temp, purpose, filename, settings)
+        else:
+            line_count = await anyio.to_thread.run_sync(_check_content, temp, purpose, filename, settings)
         file_id = new_id("file-")
         key = blob_key(org_id, file_id)
         async with pool.acquire() as conn, conn.transaction():

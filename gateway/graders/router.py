@@ -28,7 +28,7 @@ async def run_grader(body: GraderRunRequest, res: ResourcesDep, who: CallerDep) 
 async def validate_grader(
     body: GraderValidateRequest, res: ResourcesDep, who: PrincipalDep
 ) -> GraderValidateResponse:
-    return service.validate(body.grader)
+    return await service.validate(res, who.organization_id, body.grader)
 
 
 @router.post("/environments/run")

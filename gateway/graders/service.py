@@ -1,9 +1,11 @@
 """Scoring: OpenAI graders and uploaded environments, run off the event loop.
 
-* `run_grader` -- `envsdk.graders.grade` in a worker thread: `python` graders run in the sandbox
+* `run_grader` -- `envsdk.graders.grade`: graders that only compute (`string_check`, `text_similarity`)
+  in the CPU pool, the others on a sandbox thread (`gateway.offload`): `python` graders run in the sandbox
   (`envsdk.python_grader`), never in the gateway's process; model graders (`score_model`, `label_model`)
   call the gateway's own chat route with the caller's key (`gateway.serving.calls`), never an engine.
-* `validate` -- `envsdk.graders.validate_grader`; a bad grader is a 400 whose `param` names the field.
+  Texts over `grader_max_text_chars` are refused before any scoring.
+* `validate` -- `gateway.graders.checks.check_grader`; a bad grader is a 400 whose `param` names the field.
 * `run_environment` -- unpacks the caller's environment package (the same caps as its upload check) and
   runs it in the sandbox: scores a literal completion, or plays one episode with a model, whose turns are
   asked of the gateway's chat route with the caller's key too.
@@ -12,6 +14,9 @@ So a model a request names must be one the caller may use: it is looked up as th
 before any work (an unknown model and another organisation's answer the same 404 `model_not_found`), and
 each of its calls is rate-limited, held to the budget and metered as a chat of the caller; a call the
 gateway refuses (429 over a rate limit or the budget) is the request's own answer.
+
+Each run holds one of the organisation's slots (`gateway.offload`): one tenant's calls never take the
+threads or the pool that other tenants' requests need.
 """
 
 from __future__ import annotations
@@ -21,18 +26,27 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import anyio
-
-from envsdk.graders import GraderError, grade, make_sample, model_fields, parse_tool_calls, validate_grader
+from envsdk.graders import (
+    GraderError,
+    check_texts,
+    computes_only,
+    grade,
+    grade_within,
+    make_sample,
+    model_fields,
+    parse_tool_calls,
+)
 from gateway.deps import Caller, Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, not_found
 from gateway.files import store as files_store
+from gateway.graders.checks import check_grader
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
     EnvironmentRunResponse,
     GraderRunRequest,
     GraderValidateResponse,
 )
+from gateway.offload import offload_of
 from gateway.serving.calls import GatewayModels, check_models
 from gateway.settings import Settings
 
@@ -42,16 +56,9 @@ POLICY_MAX_TOKENS = 256
 """Tokens per model turn when a served model plays an episode."""
 
 
-def _check(grader: dict[str, Any]) -> None:
-    try:
-        validate_grader(grader)
-    except GraderError as exc:
-        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
-
-
-def validate(grader: dict[str, Any]) -> GraderValidateResponse:
+async def validate(res: Resources, org_id: str, grader: dict[str, Any]) -> GraderValidateResponse:
     """The grader back when it is valid; else a 400 naming the field."""
-    _check(grader)
+    await check_grader(res, org_id, grader)
     return GraderValidateResponse(grader=grader)
 
 
@@ -71,11 +78,32 @@ def _grade_sync(settings: Settings, key: str, body: GraderRunRequest) -> dict[st
     return result.to_response()
 
 
+def _grade_within_sync(settings: Settings, key: str, body: GraderRunRequest) -> dict[str, Any]:
+    """`_grade_sync`, once the texts the grader compares are known to be within the cap."""
+    check_texts(body.grader, body.model_sample, body.item, max_text_chars=settings.grader_max_text_chars)
+    return _grade_sync(settings, key, body)
+
+
 async def run_grader(res: Resources, who: Caller, body: GraderRunRequest) -> dict[str, Any]:
     """OpenAI's `GraderRunResponse` for one sample."""
-    _check(body.grader)
+    org_id = who.principal.organization_id
+    await check_grader(res, org_id, body.grader)
+    most = res.settings.grader_max_text_chars
+    if len(body.model_sample) > most:
+        raise InvalidRequest(
+            f"model_sample is {len(body.model_sample)} characters; graders read at most {most}.",
+            param="model_sample",
+            code="string_above_max_length",
+        )
     await check_models(res, who.principal, model_fields(body.grader))
-    return await anyio.to_thread.run_sync(_grade_sync, res.settings, who.key, body)
+    offload = offload_of(res)
+    try:
+        if computes_only(body.grader):
+            graded = await offload.cpu(org_id, grade_within, body.grader, body.model_sample, body.item, most)
+            return graded.to_response()
+        return await offload.thread(org_id, _grade_within_sync, res.settings, who.key, body)
+    except GraderError as exc:
+        raise InvalidRequest(exc.message, param=exc.param, code=exc.code) from None
 
 
 # -- environments ----------------------------------------------------------------------------------------
@@ -201,6 +229,7 @@ def _run_environment_checked(
 async def run_environment(res: Resources, who: Caller, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
     """Score `completion` (or let `model` play) with the caller's environment package."""
     org_id = who.principal.organization_id
+    offload_of(res).admit(org_id)
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
     if row is None:
         raise not_found("file", body.file_id, param="file_id")
@@ -216,4 +245,4 @@ async def run_environment(res: Resources, who: Caller, body: EnvironmentRunReque
         await check_models(res, who.principal, [(body.model, "model")])
     archive = res.blobs.path(row["blob_key"])
     run = functools.partial(_run_environment_checked, res.settings, archive, body, who.key)
-    return await anyio.to_thread.run_sync(run)
+    return await offload_of(res).thread(org_id, run)

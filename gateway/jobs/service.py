@@ -17,6 +17,7 @@ from envsdk.graders import model_fields
 from gateway.deps import Resources
 from gateway.errors import Conflict, InsufficientQuota, InvalidRequest, not_found
 from gateway.files import store as files_store
+from gateway.graders.checks import check_grader
 from gateway.jobs import store
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.validation import (
@@ -154,6 +155,7 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Me
     check_metadata(body.metadata)
     spec = normalise_method(body.method, body.hyperparameters)
     if spec.grader is not None:
+        await check_grader(res, org, spec.grader, "method.reinforcement.grader")
         await check_models(res, who, model_fields(spec.grader, param="method.reinforcement.grader"))
     # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
     probe = DatasetSummary(1_000_000, 0)

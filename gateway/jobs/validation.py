@@ -87,9 +87,11 @@ def check_hyperparameters(kind: str, given: Any, param: str) -> BaseModel:
 
 
 def check_grader(grader: Any, param: str) -> None:
-    """The grader checked by the same code that will run it (sub-graders of `multi` too)."""
+    """The grader's shape checked by the same code that will run it (sub-graders of `multi` too). Python
+    sources are not parsed here: the services check sizes and parse them off the event loop afterwards
+    (`gateway.graders.checks.check_grader`)."""
     try:
-        validate_grader(grader, param=param)
+        validate_grader(grader, param=param, parse_sources=False)
     except GraderError as exc:
         raise InvalidRequest(exc.message, param=exc.param or param, code=exc.code) from None
 

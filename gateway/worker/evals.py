@@ -235,7 +235,13 @@ class EvalRunExecution:
                 add_usage(usage, self.run["model"], reply.get("usage") or {}, invocations=1)
         if sample["error"] is None:
             results, grader_usage = await asyncio.to_thread(
-                grade_item, self.criteria, namespace, row.item, inference=inference, python=python
+                grade_item,
+                self.criteria,
+                namespace,
+                row.item,
+                inference=inference,
+                python=python,
+                max_text_chars=self.settings.grader_max_text_chars,
             )
             for model, tokens in grader_usage.items():
                 add_usage(usage, model, tokens, invocations=tokens["invocation_count"])

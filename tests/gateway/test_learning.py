@@ -10,6 +10,7 @@ engine).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -85,22 +86,29 @@ def used_hyperparameters(t: Tenant, job_id: str) -> dict[str, Any]:
     return event.data
 
 
+def readme_example(t: Tenant, tmp_path: Path) -> Any:
+    """The README's RL example, run as written (with this tenant's client and the archive in `tmp_path`)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## With the `openai` SDK", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    setup = 'client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-tg-...")\n'
+    assert setup in block and '"arithmetic.tar.gz"' in block
+    code = block.replace(setup, "").replace('"arithmetic.tar.gz"', repr(str(tmp_path / "arithmetic.tar.gz")))
+    scope: dict[str, Any] = {"client": t.client}
+    with contextlib.chdir(ROOT):
+        exec(compile(code, "README.md", "exec"), scope)
+    return scope["job"]
+
+
 def test_reinforcement_with_defaults_raises_heldout_exact_match(lab: Tenant, tmp_path: Path) -> None:
-    """RL on the arithmetic environment, every hyperparameter "auto", seed 1.
+    """The README's RL example as written: the arithmetic environment, every hyperparameter "auto".
 
     Recipe (the defaults tiny-chat ships with): 8 prompts x 8 answers a step, 7 epochs over the 70 tasks
     (64 steps), LoRA r 8 at lr 5e-4, 16 new tokens, temperature 1, partial credit on. Measured over seeds
     0-2: held-out exact went from 43% to 83-93% (+40 to +50 points); the gate is +25.
     """
-    from tests.gateway.test_environments import upload_package
-
-    env = upload_package(lab, ARITHMETIC, tmp_path)
-    job = train(
-        lab,
-        {"type": "reinforcement", "reinforcement": {"environment": {"file_id": env, "config": {}}}},
-        TRAIN,
-        HELDOUT,
-    )
+    created = readme_example(lab, tmp_path)
+    job = wait_for(lab, created.id, ("succeeded", "failed", "cancelled"), timeout=900)
+    assert job.status == "succeeded", job.error
     shown = job.method.reinforcement.hyperparameters.model_dump()
     used = used_hyperparameters(lab, job.id)
     assert all(shown.get(name) == value for name, value in used.items()), (shown, used)

@@ -189,3 +189,47 @@ def test_json_mode_output_starts_an_object(engine_server: Any) -> None:
         )
     assert resp.status_code == 200
     assert resp.json()["choices"][0]["message"]["content"].startswith("{")
+
+
+def test_prompts_over_the_context_are_refused_by_length(engine_server: Any) -> None:
+    """Refused with the field named, whether the text is far over (by its length alone, never tokenized)
+    or just over (by its tokens, counted on a thread); a long prompt that fits is served."""
+    models = httpx.get(f"{engine_server.url}/v1/models", timeout=30).json()["data"]
+    context = next(m for m in models if m["id"] == "tiny-chat")["max_model_len"]
+    with httpx.Client(base_url=engine_server.url, timeout=60) as http:
+        for text in ("lorem ipsum " * 200_000, "7 " * (context + 10)):
+            chat = http.post(
+                "/v1/chat/completions",
+                json={"model": "tiny-chat", "messages": [{"role": "user", "content": text}], "max_tokens": 2},
+            )
+            assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+            assert chat.json()["error"]["code"] == "context_length_exceeded"
+            legacy = http.post(
+                "/v1/completions", json={"model": "tiny-chat", "prompt": text, "max_tokens": 2}
+            )
+            assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "prompt"
+            assert legacy.json()["error"]["code"] == "context_length_exceeded", legacy.text
+        ids = http.post("/v1/completions", json={"model": "tiny-chat", "prompt": [5] * (context + 1)})
+        assert ids.status_code == 400 and ids.json()["error"]["code"] == "context_length_exceeded"
+        fits = http.post(
+            "/v1/completions", json={"model": "tiny-chat", "prompt": " summarize" * 900, "max_tokens": 2}
+        )
+        assert fits.status_code == 200, fits.text
+
+
+def test_tool_calls_are_split_in_one_pass() -> None:
+    """The same blocks and outside text as the lazy regex it replaces, on texts that would take that regex
+    the square of their length (a megabyte of openings is minutes for it)."""
+    import random
+    import re
+
+    from inference.chat import split_tool_calls
+
+    lazy = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    atoms = ["<tool_call>", "</tool_call>", " ", "\n", "x", '{"name": "f"}']
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 10)))
+        assert split_tool_calls(text) == ([m.group(1) for m in lazy.finditer(text)], lazy.sub("", text))
+    bodies, outside = split_tool_calls("<tool_call>" * 100_000)
+    assert len(bodies) == 1 and outside == ""

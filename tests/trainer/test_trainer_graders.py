@@ -250,6 +250,16 @@ def test_unsafe_or_bad_formula_refused(formula: str) -> None:
             },
             "grader.sampling_params",
         ),
+        (
+            {
+                "type": "label_model",
+                "model": "m",
+                "input": [{"role": "user", "content": "x"}],
+                "labels": ["a"],
+                "passing_labels": [["a"]],
+            },
+            "grader.passing_labels",
+        ),
     ],
 )
 def test_validation_names_the_field(grader: dict[str, Any], param: str) -> None:
