@@ -1,18 +1,19 @@
-"""What every bench shares: the machine description, percentile maths, ports, CPU time of a process."""
+"""What every bench shares: the machine description, percentile maths, pinning to a core, CPU time of a
+process. Ports and waits are `tunegate.processes`' (`free_port`, `wait_port`), named here too."""
 
 from __future__ import annotations
 
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from tunegate.processes import free_port as free_port
+from tunegate.processes import wait_port as wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -29,27 +30,6 @@ class Options:
     """Scratch directory (models, adapters, databases' blobs)."""
     profile: bool = False
     """Also sample the gateway with py-spy under load and report where its time goes."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_port(port: int, timeout: float = 60.0, proc: subprocess.Popen[Any] | None = None) -> None:
-    """Block until something accepts connections on 127.0.0.1:`port`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout:.0f}s")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -135,15 +115,21 @@ def machine() -> dict[str, Any]:
     }
 
 
-def pinned(cmd: list[str], core: int | None) -> list[str]:
-    """`cmd` run under `taskset -c core` when taskset exists and the core is usable."""
+def pin(core: int | None) -> list[str]:
+    """What goes before a command to run it on `core`: `taskset -c core` when taskset exists and the core is
+    usable, else nothing."""
     if core is None or core not in os.sched_getaffinity(0):
-        return cmd
+        return []
     from shutil import which
 
     if which("taskset") is None:
-        return cmd
-    return ["taskset", "-c", str(core), *cmd]
+        return []
+    return ["taskset", "-c", str(core)]
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """`cmd` run on `core` (see `pin`)."""
+    return [*pin(core), *cmd]
 
 
 def cores() -> tuple[int | None, int | None]:

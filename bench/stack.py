@@ -1,16 +1,16 @@
-"""The pieces of tunegate a bench runs for real: a fresh database, the gateway as its own process
-(`python -m tunegate gateway`, so its CPU time can be read from /proc), a tenant with an API key, workers.
+"""The pieces of tunegate a bench runs for real, on `tunegate.services` and `tunegate.processes`: a fresh
+database, the gateway as its own process (`python -m tunegate gateway`, so its CPU time can be read from
+/proc), a tenant with an API key, workers, and the benches' own stand-ins (the fake upstream, the bare proxy).
 
 PostgreSQL and Redis: those the test suite uses (`TUNEGATE_TEST_DATABASE_URL` / `TUNEGATE_TEST_REDIS_URL`,
-else the local servers, else embedded ones).
+else the local servers, else embedded ones). Children run from the directory `python -m bench` runs in (the
+repository's root).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,10 +20,28 @@ from typing import Any
 
 import httpx
 
-from bench.common import ROOT, free_port, pinned, wait_port
-from gateway.settings import BaseModelConfig, Settings, settings_env
-from tests.support.stack import Services as TestServices
-from tests.support.stack import drop_database, make_database
+from bench.common import free_port, pin
+from gateway.settings import BaseModelConfig, Settings
+from tunegate import processes
+from tunegate import services as tunegate_services
+from tunegate.client import provision_tenant
+from tunegate.processes import GatewayProcess, Process, WorkerProcess
+from tunegate.services import drop_database, make_database
+from tunegate.stack import private_settings
+
+__all__ = [
+    "Process",
+    "Rig",
+    "Services",
+    "bench_settings",
+    "child_env",
+    "make_tenant",
+    "rig",
+    "start_gateway",
+    "start_nullproxy",
+    "start_upstream",
+    "start_worker",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,20 +51,25 @@ class Services:
     """PostgreSQL and Redis for a bench (those the test suite uses: `TUNEGATE_TEST_DATABASE_URL` /
     `TUNEGATE_TEST_REDIS_URL`, the local servers, or embedded ones), with a database of its own."""
 
-    shared: TestServices
+    shared: tunegate_services.Services
     database_url: str
     redis_url: str | None
     db_name: str
 
     @classmethod
     def start(cls, workdir: Path, *, redis: bool = False) -> Services:
-        shared = TestServices.start(workdir)
+        shared = tunegate_services.Services.development(workdir)
         name = f"tunegate_bench_{secrets.token_hex(4)}"
-        return cls(shared, make_database(shared.pg_dsn, name), shared.redis_url if redis else None, name)
+        try:
+            database_url = make_database(shared.database_url, name)
+        except BaseException:
+            shared.stop()
+            raise
+        return cls(shared, database_url, shared.redis_url if redis else None, name)
 
     def stop(self) -> None:
         try:
-            drop_database(self.shared.pg_dsn, self.db_name)
+            drop_database(self.shared.database_url, self.db_name)
         except Exception as exc:  # noqa: BLE001 - best effort: a leftover bench database is harmless
             logger.warning("could not drop %s: %s", self.db_name, exc)
         self.shared.stop()
@@ -55,50 +78,21 @@ class Services:
 def bench_settings(
     services: Services, data_dir: Path, *, upstreams: list[str], model_path: Path | None = None, **extra: Any
 ) -> Settings:
-    return Settings(
+    return private_settings(
         data_dir=data_dir,
         database_url=services.database_url,
         redis_url=services.redis_url,
-        admin_key=secrets.token_urlsafe(16),  # type: ignore[arg-type]
-        port=free_port(),
         base_models={"tiny-chat": BaseModelConfig(path=model_path, upstreams=upstreams)},
-        queue_name=f"tunegate:bench:{secrets.token_hex(4)}",
-        log_level="warning",
-        **extra,
+        label="bench",
+        **{"log_level": "warning", **extra},
     )
-
-
-class Process:
-    """A child process with its output in a log file; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, cwd=str(ROOT), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def start_upstream(log_path: Path, core: int | None) -> tuple[Process, str]:
     """The fake upstream (`bench.upstream`) on a free port; returns it and its base URL."""
     port = free_port()
-    proc = Process(pinned([sys.executable, "-m", "bench.upstream", str(port)], core), log_path)
-    wait_port(port, 30, proc.proc)
+    proc = Process([*pin(core), sys.executable, "-m", "bench.upstream", str(port)], log_path)
+    proc.wait_port(port, 30)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -106,29 +100,23 @@ def start_nullproxy(upstream_url: str, log_path: Path, core: int | None) -> tupl
     """The bare proxy (`bench.nullproxy`) in front of `upstream_url`; returns it and its base URL."""
     port = free_port()
     upstream_port = upstream_url.rsplit(":", 1)[1]
-    cmd = [sys.executable, "-m", "bench.nullproxy", str(port), upstream_port]
-    proc = Process(pinned(cmd, core), log_path)
-    wait_port(port, 30, proc.proc)
+    proc = Process([*pin(core), sys.executable, "-m", "bench.nullproxy", str(port), upstream_port], log_path)
+    proc.wait_port(port, 30)
     return proc, f"http://127.0.0.1:{port}"
 
 
 def child_env(settings: Settings) -> dict[str, str]:
-    return {**os.environ, **settings_env(settings), "PYTHONUNBUFFERED": "1"}
+    return processes.child_env(settings)
 
 
 def start_gateway(settings: Settings, log_path: Path, core: int | None) -> Process:
     """`python -m tunegate gateway` for `settings`, pinned to `core`; returns once it accepts connections."""
-    cmd = [sys.executable, "-m", "tunegate", "gateway", "--host", "127.0.0.1", "--port", str(settings.port)]
-    proc = Process(pinned(cmd, core), log_path, env=child_env(settings))
-    wait_port(settings.port, 90, proc.proc)
-    return proc
+    return GatewayProcess(settings, log_path, launcher=pin(core)).wait_ready(90)
 
 
 def start_worker(settings: Settings, log_path: Path, **overrides: str) -> Process:
     """`python -m tunegate worker` for `settings`."""
-    return Process(
-        [sys.executable, "-m", "tunegate", "worker"], log_path, env={**child_env(settings), **overrides}
-    )
+    return WorkerProcess(settings, log_path, overrides=overrides)
 
 
 @dataclass
@@ -171,8 +159,5 @@ def make_tenant(gateway_url: str, settings: Settings) -> tuple[str, str]:
     assert settings.admin_key is not None
     headers = {"Authorization": f"Bearer {settings.admin_key.get_secret_value()}"}
     with httpx.Client(base_url=gateway_url, headers=headers, timeout=30, trust_env=False) as http:
-        org = http.post("/v1/admin/organizations", json={"name": "bench-" + secrets.token_hex(3)})
-        org.raise_for_status()
-        key = http.post(f"/v1/admin/organizations/{org.json()['id']}/api_keys", json={"name": "bench"})
-        key.raise_for_status()
-        return org.json()["id"], key.json()["key"]
+        made = provision_tenant(http, "bench-" + secrets.token_hex(3), "bench")
+        return made.org_id, made.key

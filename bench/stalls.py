@@ -24,7 +24,6 @@ import logging
 import multiprocessing
 import os
 import secrets
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -33,8 +32,9 @@ from typing import Any
 
 import httpx
 
-from bench.common import Options, fmt, free_port, ratio, summary_ms, wait_port
+from bench.common import Options, fmt, free_port, ratio, summary_ms
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway
+from tunegate.processes import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -270,16 +270,12 @@ def run(opts: Options) -> dict[str, Any]:
     services = Services.start(work, redis=True)
     procs: list[Process] = []
     try:
-        engine_port = free_port()
-        engine = Process(
-            [sys.executable, "-m", "inference", "--model", f"tiny-chat={model}", "--port", str(engine_port)]
-            + ["--device", "cpu", "--log-level", "warning"],
-            work / "engine.log",
+        engine = EngineProcess(
+            {"tiny-chat": model}, free_port(), work / "engine.log", device="cpu", log_level="warning"
         )
         procs.append(engine)
-        wait_port(engine_port, 120, engine.proc)
-        engine_url = f"http://127.0.0.1:{engine_port}"
-        settings = bench_settings(services, work / "data", upstreams=[engine_url], model_path=model)
+        engine.wait_ready(120)
+        settings = bench_settings(services, work / "data", upstreams=[engine.url], model_path=model)
         procs.append(start_gateway(settings, work / "gateway.log", None))
         url = f"http://127.0.0.1:{settings.port}"
         _, a_key = make_tenant(url, settings)

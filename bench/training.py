@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Options, fmt, free_port, ratio, wait_port
+from bench.common import ROOT, Options, fmt, free_port, ratio
 from bench.stack import (
     Process,
     Services,
@@ -37,6 +37,7 @@ from bench.stack import (
     start_gateway,
     start_worker,
 )
+from tunegate.processes import EngineProcess
 
 logger = logging.getLogger(__name__)
 
@@ -169,20 +170,8 @@ def _run_plain(model: Path, work: Path, seed: int, hyperparameters: dict[str, An
 
 # ---------------------------------------------------------------------------------------------- tunegate
 def _start_engine(model: Path, log_path: Path) -> tuple[Process, str]:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tunegate",
-        "inference",
-        "--model",
-        f"tiny-chat={model}",
-        "--port",
-        str(port),
-    ]
-    proc = Process(cmd, log_path)
-    wait_port(port, 120, proc.proc)
-    return proc, f"http://127.0.0.1:{port}"
+    engine = EngineProcess({"tiny-chat": model}, free_port(), log_path).wait_ready(120)
+    return engine, engine.url
 
 
 def _heldout_exact(client: Any, model: str) -> float:

@@ -17,28 +17,28 @@ event loop that every other request shares.
 Several batches may be in flight at once (``max_concurrent_batches``): they interleave step by step under
 the model lock, so a long generation does not hold the others back. Adapter loads and unloads take the
 same lock between steps; adapters used by a running batch are pinned and never evicted.
+
+This module loads the model, checks and tokenizes prompts, queues and batches requests and keeps the
+adapters resident; the requests and the generation loop of the worker thread are ``inference.generation``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-from inference.adapters import BASE_ADAPTER, Adapter, AdapterRegistry, LoraHost, read_adapter_config
+from inference.adapters import Adapter, AdapterRegistry, LoraHost, read_adapter_config
 from inference.errors import BadRequestError, EngineError, ModelNotFoundError, NotFoundError
-from inference.sampling import SamplingParams, TokenLogprob, make_generator, sample_row, token_logprob
+from inference.generation import BatchGeneration, ChoiceEvent, GenerationRequest
+
+__all__ = ["INLINE_TOKENIZE_CHARS", "ChoiceEvent", "GenerationRequest", "ModelEngine"]
 
 logger = logging.getLogger(__name__)
-
-_request_ids = itertools.count(1)
 
 INLINE_TOKENIZE_CHARS = 8192
 """Texts up to this long are tokenized on the event loop (well under a millisecond); longer ones on a
@@ -50,77 +50,7 @@ _VISIBLE_SPECIALS = frozenset(
 """Special tokens that are part of the output text (tool-call and reasoning markup), never hidden."""
 
 
-@dataclass
-class ChoiceEvent:
-    """New output of one choice: text decoded since the last event, its tokens, and maybe the finish.
-
-    Tokens whose text is held back (a possible stop string, an incomplete UTF-8 sequence) travel with the
-    next event, so the events of a choice account for every generated token exactly once.
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None = None
-
-
-@dataclass
-class GenerationRequest:
-    """A prompt to complete ``n`` times with one adapter (or the base model)."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int = 1
-    adapter: Adapter | None = None
-    stop_check: Callable[[str], bool] | None = None
-    """Extra stopping rule on a choice's whole text (used to end forced JSON as soon as it is complete)."""
-    id: int = field(default_factory=lambda: next(_request_ids))
-    cancelled: bool = False
-    _loop: asyncio.AbstractEventLoop | None = None
-    _queue: asyncio.Queue[ChoiceEvent | BaseException] | None = None
-    _open_rows: int = 0
-
-    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._queue = asyncio.Queue()
-        self._open_rows = self.n
-
-    def _emit(self, item: ChoiceEvent | BaseException) -> None:
-        """Called from the worker thread."""
-        assert self._loop is not None and self._queue is not None
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
-
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """Output events until every choice has finished; raises the batch's error if it failed."""
-        assert self._queue is not None
-        remaining = self.n
-        while remaining:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finish_reason is not None:
-                remaining -= 1
-            yield item
-
-
-@dataclass
-class _Row:
-    req: GenerationRequest
-    index: int
-    generator: Any
-    ids: list[int] = field(default_factory=list)
-    count: int = 0
-    sent: int = 0
-    pending: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
-    done: bool = False
-
-
-class ModelEngine:
+class ModelEngine(BatchGeneration):
     """Serves one base model and the LoRA adapters attached to it."""
 
     def __init__(
@@ -437,148 +367,6 @@ class ModelEngine:
                 await loop.run_in_executor(self._pool, self._unpin, adapters)
         finally:
             self._slots.release()
-
-    # ------------------------------------------------------------------ generation (worker thread)
-    def _run_batch(self, batch: list[GenerationRequest]) -> None:
-        rows = [
-            _Row(req=req, index=i, generator=make_generator(req.params.row_seed(i)))
-            for req in batch
-            for i in range(req.n)
-        ]
-        self.batches_run += 1
-        self.largest_batch = max(self.largest_batch, len(rows))
-        try:
-            self._generate(rows)
-        except Exception as exc:
-            logger.exception("engine %s: batch failed", self.name)
-            err = EngineError(f"Generation failed: {exc}")
-            for req in batch:
-                req._emit(err)
-
-    def _forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any, rows: list[_Row]) -> Any:
-        kwargs: dict[str, Any] = {}
-        with self._lock:
-            if self.host.keys:
-                kwargs["adapter_names"] = [
-                    r.req.adapter.key if r.req.adapter is not None else BASE_ADAPTER for r in rows
-                ]
-            out = self.host.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kwarg: cache},
-                **kwargs,
-            )
-        return out.logits[:, -1, :].float().cpu()
-
-    def _generate(self, rows: list[_Row]) -> None:
-        import torch
-        from transformers import DynamicCache
-
-        device = self.device
-        width = max(len(r.req.prompt_ids) for r in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            ids = row.req.prompt_ids
-            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            mask[i, width - len(ids) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.config)
-        with torch.inference_mode():
-            logits = self._forward(input_ids.to(device), mask.to(device), positions.to(device), cache, rows)
-            last_pos = positions[:, -1]
-            while True:
-                keep: list[int] = []
-                next_ids: list[int] = []
-                for i, row in enumerate(rows):
-                    if row.req.cancelled:
-                        row.done = True
-                        continue
-                    params = row.req.params
-                    tok = sample_row(logits[i], params, row.generator)
-                    lp = token_logprob(logits[i], tok, params.top_logprobs) if params.logprobs else None
-                    event = self._advance(row, tok, lp)
-                    if event is not None:
-                        row.req._emit(event)
-                    if row.done:
-                        row.req._open_rows -= 1
-                        if row.req._open_rows == 0:
-                            self._running.discard(row.req.id)
-                    else:
-                        keep.append(i)
-                        next_ids.append(tok)
-                if not keep:
-                    return
-                if len(keep) < len(rows):
-                    index = torch.tensor(keep, dtype=torch.long)
-                    cache.batch_select_indices(index.to(device))
-                    mask = mask[index]
-                    last_pos = last_pos[index]
-                    rows = [rows[i] for i in keep]
-                mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-                last_pos = last_pos + 1
-                logits = self._forward(
-                    torch.tensor(next_ids, dtype=torch.long, device=device)[:, None],
-                    mask.to(device),
-                    last_pos[:, None].to(device),
-                    cache,
-                    rows,
-                )
-
-    def _advance(self, row: _Row, token_id: int, lp: TokenLogprob | None) -> ChoiceEvent | None:
-        """Account one sampled token to ``row``; the event to send, if any."""
-        params = row.req.params
-        row.count += 1
-        self.tokens_generated += 1
-        row.pending.append(token_id)
-        if lp is not None:
-            row.pending_logprobs.append(lp)
-        finish: str | None = None
-        if token_id in self._stop_ids and not params.ignore_eos:
-            finish = "stop"
-        else:
-            row.ids.append(token_id)
-        text = self.decode(row.ids)
-        if params.stop:
-            cut = -1
-            for s in params.stop:
-                pos = text.find(s, row.sent)
-                if pos != -1 and (cut == -1 or pos < cut):
-                    cut = pos
-            if cut != -1:
-                text = text[:cut]
-                finish = "stop"
-        if finish is None and row.req.stop_check is not None and row.req.stop_check(text):
-            finish = "stop"
-        if finish is None and row.count >= params.max_tokens:
-            finish = "length"
-        if finish is None:
-            safe = len(text)
-            if params.stop:
-                safe -= max(len(s) for s in params.stop) - 1
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-            safe = max(safe, row.sent)
-        else:
-            safe = max(len(text), row.sent)
-            row.done = True
-        delta = text[row.sent : safe]
-        row.sent = safe
-        if not delta and finish is None:
-            return None
-        event = ChoiceEvent(
-            index=row.index,
-            text=delta,
-            token_ids=row.pending,
-            logprobs=row.pending_logprobs,
-            finish_reason=finish,
-        )
-        row.pending = []
-        row.pending_logprobs = []
-        return event
 
 
 def _longest_token_chars(tokenizer: Any) -> int:

@@ -11,15 +11,9 @@ import openai
 import pytest
 
 from tests.support.engine import EngineServer
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    Tenant,
-    drop_database,
-    make_database,
-    make_settings,
-)
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of
+from tunegate.services import scratch_database
 
 
 @pytest.fixture(scope="session")
@@ -38,40 +32,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def database(services: Services) -> Iterator[str]:
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    dsn = make_database(services.pg_dsn, name)
-    yield dsn
-    drop_database(services.pg_dsn, name)
+    with scratch_database(services.pg_dsn, "tunegate_test") as dsn:
+        yield dsn
 
 
 @pytest.fixture
 def own_database(services: Services) -> Iterator[str]:
     """An empty database for one test whose workers must not see (or claim) the shared database's jobs."""
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    yield make_database(services.pg_dsn, name)
-    drop_database(services.pg_dsn, name)
+    with scratch_database(services.pg_dsn, "tunegate_test") as dsn:
+        yield dsn
 
 
-@pytest.fixture(scope="session")
-def stack(
-    services: Services, database: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayServer]:
-    settings = make_settings(
-        data_dir=tmp_path_factory.mktemp("data"),
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tiny_model_dir,
-    )
-    server = GatewayServer(settings).start()
-    yield server
-    server.stop()
+stack = gateway_fixture("stack", scope="session", engine=False)
+"""The session's gateway, on the shared database, serving no model."""
 
 
 @pytest.fixture(scope="session")
 def admin(stack: GatewayServer) -> Admin:
-    key = stack.settings.admin_key
-    assert key is not None
-    return Admin(stack.url, key.get_secret_value())
+    return admin_of(stack)
+
+
+@pytest.fixture(scope="module")
+def gw_admin(gw: GatewayServer) -> Admin:
+    """The admin API of the module's own gateway, `gw` (see `tests.support.fixtures.gateway_fixture`)."""
+    return admin_of(gw)
 
 
 def _cancel_open_jobs(t: Tenant) -> None:

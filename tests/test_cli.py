@@ -8,13 +8,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from gateway.settings import Settings
+from tests.support.data import SFT
+from tests.support.fixtures import worker_fixture
 from tests.support.stack import (
     ROOT,
     GatewayServer,
@@ -37,16 +38,6 @@ from tunegate.quickstart import (
     stack_ready,
     upload_environment,
 )
-
-SFT = [
-    {
-        "messages": [
-            {"role": "user", "content": f"What is {i} plus {i}?"},
-            {"role": "assistant", "content": f"{2 * i}"},
-        ]
-    }
-    for i in range(8)
-]
 
 
 def _cli(
@@ -188,11 +179,7 @@ def test_quickstart_helpers_against_the_stack(stack: GatewayServer, tenant: Tena
     assert (tmp_path / "arithmetic.tar.gz").stat().st_size == uploaded.bytes
 
 
-@pytest.fixture(scope="module")
-def worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(stack.settings, tmp_path_factory.mktemp("cli-worker") / "worker.log")
-    yield w
-    w.stop()
+worker = worker_fixture(of="stack")
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 from pathlib import Path
 from typing import Annotated
 
@@ -32,19 +31,6 @@ def _need_database(settings: Settings) -> str:
         typer.echo("TUNEGATE_DATABASE_URL is not set (tunegate up starts an embedded one).", err=True)
         raise typer.Exit(2)
     return settings.database_url
-
-
-def ensure_admin_key(settings: Settings) -> tuple[str, bool]:
-    """The admin key; made and stored in the data dir when none is configured. Returns (key, made_now)."""
-    existing = settings.admin_key_value()
-    if existing:
-        return existing, False
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    key = "sk-admin-" + secrets.token_urlsafe(24)
-    path = settings.data_dir / "admin_key"
-    path.touch(mode=0o600)
-    path.write_text(key + "\n")
-    return key, True
 
 
 @app.command()

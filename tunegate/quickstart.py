@@ -13,20 +13,18 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from gateway.settings import Settings
-from tunegate.client import root_url
+from tunegate.client import provision_tenant, root_url
+from tunegate.processes import Process
 
 if TYPE_CHECKING:
     import openai
@@ -73,54 +71,24 @@ def stack_ready(root: str, timeout: float = 2.0) -> bool:
         return False
 
 
-@dataclass
-class StackProcess:
-    """`tunegate up` as a child process in its own session, its output in a log file."""
-
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    _log: IO[bytes] | None = None
+class StackProcess(Process):
+    """`tunegate up` as a child process in its own session, its output in `stack.log` of the data dir."""
 
     @classmethod
     def start(cls, *, data_dir: Path, host: str, port: int, engine_port: int | None = None) -> StackProcess:
         data_dir.mkdir(parents=True, exist_ok=True)
-        log_path = data_dir / "stack.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         argv = [sys.executable, "-m", "tunegate", "up", "--data-dir", str(data_dir)]
         argv += ["--host", host, "--port", str(port)]
         if engine_port is not None:
             argv += ["--engine-port", str(engine_port)]
-        proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True
-        )
-        logger.info("started tunegate up (pid %s), log in %s", proc.pid, log_path)
-        return cls(proc, log_path, log)
+        # stopping waits for the stack to stop its worker, engine and databases
+        stack = cls(argv, data_dir / "stack.log", name="tunegate up", cwd=REPO_ROOT, stop_timeout_s=90.0)
+        logger.info("started tunegate up (pid %s), log in %s", stack.pid, stack.log_path)
+        return stack
 
     def wait_ready(self, root: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Wait until `/readyz` answers; raises `RuntimeError` when the stack exits or time runs out."""
-        deadline = time.monotonic() + timeout_s
-        while not stack_ready(root):
-            if self.proc.poll() is not None:
-                code = self.proc.returncode
-                raise RuntimeError(f"tunegate up exited with code {code}; see {self.log_path}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the stack was not ready within {timeout_s:.0f}s; see {self.log_path}")
-            time.sleep(0.5)
-
-    def stop(self, timeout_s: float = 90.0) -> int | None:
-        """SIGTERM, then wait (the stack stops its worker, engine and databases); SIGKILL the session last."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                logger.warning("tunegate up did not stop within %.0fs: killing it", timeout_s)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return self.proc.returncode
+        """Wait until `/readyz` answers 200; raises `RuntimeError` when the stack exits or time runs out."""
+        self.wait_http(f"{root}/readyz", timeout_s, status=200)
 
 
 # ---- tenancy and uploads ----------------------------------------------------------------------------
@@ -136,12 +104,8 @@ def create_tenant(root: str, admin_key: str, name: str) -> tuple[str, str]:
     """An organisation and an API key through the admin API. Returns (org id, key)."""
     headers = {"Authorization": f"Bearer {admin_key}"}
     with httpx.Client(base_url=root, headers=headers, timeout=30) as http:
-        org = http.post("/v1/admin/organizations", json={"name": name})
-        org.raise_for_status()
-        org_id: str = org.json()["id"]
-        key = http.post(f"/v1/admin/organizations/{org_id}/api_keys", json={"name": "quickstart"})
-        key.raise_for_status()
-        return org_id, key.json()["key"]
+        made = provision_tenant(http, name, "quickstart")
+        return made.org_id, made.key
 
 
 def upload_environment(client: openai.OpenAI, env_dir: Path, workdir: Path) -> str:

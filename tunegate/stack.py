@@ -1,76 +1,77 @@
-"""`tunegate up`: the whole stack on one machine, in the foreground.
+"""`tunegate up`: the whole stack on one machine, in the foreground; and the settings of a stack of its own.
 
-Embedded PostgreSQL and Redis when no URLs are set, the tiny base model made when missing, an inference
-engine for base models that name no upstream, a worker process, and the gateway. The engine and the worker
-are supervised (`tunegate.supervise`): one that exits is started again, with backoff. Ctrl-C or SIGTERM
-stops everything, the embedded servers last.
+`run_stack`: embedded PostgreSQL and Redis when no URLs are set (`tunegate.services`), the tiny base model
+made when missing, an inference engine for base models that name no upstream, a worker process, and the
+gateway. The engine and the worker are supervised (`tunegate.processes.Supervisor`): one that exits is started
+again, with backoff. Ctrl-C or SIGTERM stops everything, the embedded servers last.
+
+`private_settings`: the settings of a stack that shares its servers with others (the tests' and the
+benches'): a fresh admin key, a free port and a queue of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import secrets
 import signal
-import subprocess
-import sys
-import time
-
-import httpx
+from pathlib import Path
+from typing import Any
 
 from gateway.db import migrate
-from gateway.settings import Settings, settings_env
-from tunegate.embedded import EmbeddedServices, start_postgres, start_redis
-from tunegate.supervise import Supervisor
+from gateway.settings import BaseModelConfig, Settings
+from tunegate.processes import EngineProcess, Supervisor, WorkerProcess, free_port
+from tunegate.services import Services
 
 logger = logging.getLogger(__name__)
 
 
-def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with code {proc.returncode} before it answered")
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f}s")
-
-
-def prepare(settings: Settings, services: EmbeddedServices) -> str:
-    """Servers, admin key, base models and schema. Returns the admin key."""
-    from tunegate.cli import ensure_admin_key
-
+def ensure_admin_key(settings: Settings) -> tuple[str, bool]:
+    """The admin key; made and stored in the data dir when none is configured. Returns (key, made_now)."""
+    existing = settings.admin_key_value()
+    if existing:
+        return existing, False
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    if not settings.database_url:
-        settings.database_url = start_postgres(settings.data_dir, services)
-        logger.info("embedded PostgreSQL at %s", settings.database_url)
-    if not settings.redis_url:
-        settings.redis_url = start_redis(settings.data_dir, services)
-        logger.info("embedded Redis at %s", settings.redis_url)
-    key, made = ensure_admin_key(settings)
-    if made:
-        print(
-            f"\nAdmin key (shown once; also stored in {settings.data_dir / 'admin_key'}):\n  {key}\n",
-            flush=True,
-        )
-    for name, entry in settings.base_models.items():
-        if entry.path is None and name == "tiny-chat":
-            path = settings.base_model_path(name)
-            if not (path / "config.json").exists():
-                from trainer.tiny import make_tiny_model
+    key = "sk-admin-" + secrets.token_urlsafe(24)
+    path = settings.data_dir / "admin_key"
+    path.touch(mode=0o600)
+    path.write_text(key + "\n")
+    return key, True
 
-                logger.info("making the tiny base model in %s", path)
-                make_tiny_model(path)
-    asyncio.run(migrate(settings.database_url))
-    return key
+
+def prepare(settings: Settings) -> tuple[Services, str]:
+    """Servers (the URLs of `settings` filled in with those of embedded ones), admin key, base models and
+    schema. Returns the servers, to be stopped, and the admin key."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    services = Services.start(
+        settings.data_dir, database_url=settings.database_url or None, redis_url=settings.redis_url or None
+    )
+    try:
+        settings.database_url, settings.redis_url = services.database_url, services.redis_url
+        key, made = ensure_admin_key(settings)
+        if made:
+            print(
+                f"\nAdmin key (shown once; also stored in {settings.data_dir / 'admin_key'}):\n  {key}\n",
+                flush=True,
+            )
+        for name, entry in settings.base_models.items():
+            if entry.path is None and name == "tiny-chat":
+                path = settings.base_model_path(name)
+                if not (path / "config.json").exists():
+                    from trainer.tiny import make_tiny_model
+
+                    logger.info("making the tiny base model in %s", path)
+                    make_tiny_model(path)
+        asyncio.run(migrate(services.database_url))
+    except BaseException:
+        services.stop()
+        raise
+    return services, key
 
 
 def run_stack(settings: Settings) -> int:
-    services = EmbeddedServices()
+    """Run the stack until Ctrl-C or SIGTERM; returns the exit code."""
+    services: Services | None = None
     supervisor = Supervisor()
 
     def _terminate(signum: int, frame: object) -> None:
@@ -78,22 +79,20 @@ def run_stack(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        prepare(settings, services)
+        services, _ = prepare(settings)
         engine_models = {
             n: str(settings.base_model_path(n)) for n, e in settings.base_models.items() if not e.upstreams
         }
         engine = None
         if engine_models:
-            engine_url = f"http://127.0.0.1:{settings.engine_port}"
-            argv = [sys.executable, "-m", "inference", "--port", str(settings.engine_port)]
-            for name, path in engine_models.items():
-                argv += ["--model", f"{name}={path}"]
-                settings.base_models[name].upstreams = [engine_url]
-            engine = supervisor.start("engine", argv)
-        env = {**os.environ, **settings_env(settings)}
-        supervisor.start("worker", [sys.executable, "-m", "tunegate", "worker"], env)
+            engine = supervisor.watch(
+                EngineProcess(engine_models, settings.engine_port, die_with_parent=True)
+            )
+            for name in engine_models:
+                settings.base_models[name].upstreams = [engine.url]
+        supervisor.watch(WorkerProcess(settings, die_with_parent=True))
         if engine is not None:
-            _wait_http(f"http://127.0.0.1:{settings.engine_port}/health", 120, engine.proc)
+            engine.wait_ready(120)
         from gateway.app import create_app
         from gateway.httpserver import serve
 
@@ -104,4 +103,29 @@ def run_stack(settings: Settings) -> int:
         return 0
     finally:
         supervisor.stop()
-        services.stop()
+        if services is not None:
+            services.stop()
+
+
+def private_settings(
+    *,
+    data_dir: Path,
+    database_url: str,
+    redis_url: str | None,
+    base_models: dict[str, BaseModelConfig],
+    label: str = "private",
+    **extra: Any,
+) -> Settings:
+    """Settings of a stack that shares its servers with others: a random admin key, a free port, and a queue
+    named `tunegate:<label>:<random>` of its own (`extra` overrides any of them)."""
+    values: dict[str, Any] = {
+        "data_dir": data_dir,
+        "database_url": database_url,
+        "redis_url": redis_url,
+        "admin_key": secrets.token_urlsafe(16),
+        "port": free_port(),
+        "base_models": base_models,
+        "queue_name": f"tunegate:{label}:{secrets.token_hex(4)}",
+    }
+    values.update(extra)
+    return Settings(**values)

@@ -10,42 +10,28 @@ import json
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.engine import EngineServer, serving_state
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, start_gateway
+from tests.support.data import BASE
+from tests.support.engine import serving_state
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import GatewayServer, Tenant, admin_of
 
 pytestmark = pytest.mark.slow
 
-BASE = "tiny-chat"
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "envs"
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    engine: EngineServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("envsdk-gw"), upstreams=[engine.url]
-    )
-    yield server
-    server.stop()
+gateway = gateway_fixture("envsdk-gw")
 
 
 @pytest.fixture
 def org(gateway: GatewayServer) -> Tenant:
-    key = gateway.settings.admin_key
-    assert key is not None
-    return Admin(gateway.url, key.get_secret_value()).tenant("envsdk-" + secrets.token_hex(3))
+    return admin_of(gateway).tenant("envsdk-" + secrets.token_hex(3))
 
 
 def envsdk_test(gateway: GatewayServer, org: Tenant, package: str, *args: str) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ import gzip
 import io
 import socket
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import openai
 import pytest
 
 from envsdk.archive import pack
-from tests.support.engine import EngineServer
+from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
 
 MESSAGES: Any = [{"role": "user", "content": "Say hi."}]
@@ -210,13 +209,7 @@ def test_completions_refuse_bad_counts_before_any_engine(stack: GatewayServer, t
 
 
 # --------------------------------------------------------------------------------------------- budgets
-@pytest.fixture
-def served(
-    services: Services, database: str, tiny_model_dir: Path, engine: EngineServer, tmp_path: Path
-) -> Iterator[GatewayServer]:
-    server = start_gateway(services, database, tiny_model_dir, tmp_path / "gw", upstreams=[engine.url])
-    yield server
-    server.stop()
+served = gateway_fixture("bad-input", scope="function")
 
 
 async def _store_budget(database: str, org_id: str, value: float) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from gateway.limits.buckets import Buckets, make_limits_redis, month_key, to_micro
 from gateway.worker.job.metering import BUDGET_PAUSED
-from tests.gateway.test_training import SFT
+from tests.support.data import SFT
+from tests.support.fixtures import worker_fixture
 from tests.support.jobs import (
     all_events,
     long_sft_job,
@@ -27,15 +27,7 @@ pytestmark = pytest.mark.slow
 STEPS = 400
 
 
-@pytest.fixture(scope="module")
-def budget_worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(
-        stack.settings,
-        tmp_path_factory.mktemp("budget-worker") / "worker.log",
-        TUNEGATE_BUDGET_CHECK_INTERVAL_S="1",
-    )
-    yield w
-    w.stop()
+budget_worker = worker_fixture(of="stack", TUNEGATE_BUDGET_CHECK_INTERVAL_S="1")
 
 
 def _set_budget(admin: Admin, org_id: str, usd: float) -> dict:

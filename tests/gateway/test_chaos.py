@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.data import HELLO_SFT as SFT
 from tests.support.engine import EngineServer
 from tests.support.jobs import metrics_steps
 from tests.support.servers import RedisServer
@@ -26,10 +27,6 @@ from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess, fre
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SFT = [
-    {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
-    for i in range(4)
-]
 CHAT = "/v1/chat/completions"
 UNFINISHED = ("validating_files", "queued", "running")
 

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 from envsdk.archive import pack
+from tests.support.fixtures import worker_fixture
 from tests.support.jobs import metrics, upload_rows, wait_for
 from tests.support.stack import GatewayServer, Tenant, WorkerProcess
 
@@ -48,11 +48,7 @@ class ProbeEnv(ToolEnv):
 """
 
 
-@pytest.fixture(scope="module")
-def worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(stack.settings, tmp_path_factory.mktemp("env-worker") / "worker.log")
-    yield w
-    w.stop()
+worker = worker_fixture(of="stack")
 
 
 def write_package(root: Path, name: str, entrypoint: str, code: str, **limits: Any) -> Path:

@@ -12,7 +12,6 @@ import json
 import secrets
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +21,11 @@ import pytest
 
 from envsdk.graders import grade, make_sample
 from gateway.evals.datasource import pass_threshold
-from tests.support.engine import EngineServer, make_lora_adapter, register_model
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    Tenant,
-    WorkerProcess,
-    admin_of,
-    drop_database,
-    make_database,
-    start_gateway,
-)
+from tests.support.data import BASE
+from tests.support.engine import make_lora_adapter, register_model
+from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
 
-BASE = "tiny-chat"
 QUESTIONS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
 CONFIG: Any = {
     "type": "custom",
@@ -101,38 +91,8 @@ WORKER_ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(
-    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[GatewayServer, WorkerProcess]]:
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    database = make_database(services.pg_dsn, name)
-    gateway = start_gateway(
-        services,
-        database,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("evals-data"),
-        upstreams=[engine.url],
-        usage_flush_interval_s=0.3,
-        auth_cache_ttl_s=1.0,
-    )
-    worker = WorkerProcess(
-        gateway.settings, tmp_path_factory.mktemp("evals-worker") / "worker.log", **WORKER_ENV
-    )
-    yield gateway, worker
-    worker.stop()
-    gateway.stop()
-    drop_database(services.pg_dsn, name)
-
-
-@pytest.fixture(scope="module")
-def gw(served: tuple[GatewayServer, WorkerProcess]) -> GatewayServer:
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture("evals", own_database=True, usage_flush_interval_s=0.3, auth_cache_ttl_s=1.0)
+worker = worker_fixture(autouse=True, **WORKER_ENV)
 
 
 @pytest.fixture
@@ -525,16 +485,15 @@ def test_cancel_stops_a_run_between_items(gw_admin: Admin, org: Tenant) -> None:
 
 # -------------------------------------------------------------------------------------------- workers
 def test_a_run_whose_worker_dies_resumes_elsewhere(
-    served: tuple[GatewayServer, WorkerProcess], gw_admin: Admin, org: Tenant, tmp_path: Path
+    gw: GatewayServer, worker: WorkerProcess, gw_admin: Admin, org: Tenant, tmp_path: Path
 ) -> None:
     """A second worker takes the run while the module's worker is stopped, and is SIGKILLed mid-run: the
     reaper revokes its key and re-queues the run, which resumes with the items it lacks."""
-    gateway, worker = served
     many = [{"question": f"What is {i} times 3?", "answer": str(3 * i)} for i in range(60)]
     ev = _eval(org, [CONTAINS])
     worker.proc.send_signal(signal.SIGSTOP)
     try:
-        victim = WorkerProcess(gateway.settings, tmp_path / "victim.log", **WORKER_ENV)
+        victim = WorkerProcess(gw.settings, tmp_path / "victim.log", **WORKER_ENV)
         run = org.client.evals.runs.create(
             ev.id,
             data_source=_completions(BASE, _content(many), sampling_params={"max_completion_tokens": 8}),

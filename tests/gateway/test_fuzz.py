@@ -11,12 +11,10 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-from tests.support.stack import GatewayServer, Services, admin_of, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import GatewayServer, admin_of
 
 MAX_EXAMPLES = 15
 """Generated requests per operation and phase."""
@@ -28,13 +26,7 @@ headers = { Authorization = "Bearer ${TUNEGATE_FUZZ_KEY}" }
 """
 
 
-@pytest.fixture
-def gateway(
-    services: Services, own_database: str, tiny_model_dir: Path, tmp_path: Path
-) -> Iterator[GatewayServer]:
-    server = start_gateway(services, own_database, tiny_model_dir, tmp_path / "data")
-    yield server
-    server.stop()
+gateway = gateway_fixture("fuzz", scope="function", engine=False, own_database=True)
 
 
 def _fuzz(gateway: GatewayServer, workdir: Path, key: str, *, include: str, exclude: str | None) -> str:

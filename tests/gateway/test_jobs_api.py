@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.data import RFT, SAYS_YES
 from tests.support.stack import GatewayServer, Tenant
 
 SFT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -17,14 +18,6 @@ DPO = {
     "input": {"messages": [{"role": "user", "content": "hi"}]},
     "preferred_output": [{"role": "assistant", "content": "hello"}],
     "non_preferred_output": [{"role": "assistant", "content": "go away"}],
-}
-RFT = {"messages": [{"role": "user", "content": "Say yes"}], "answer": "yes"}
-GRADER = {
-    "type": "string_check",
-    "name": "yes",
-    "input": "{{ sample.output_text }}",
-    "reference": "{{ item.answer }}",
-    "operation": "eq",
 }
 
 
@@ -70,11 +63,11 @@ def test_dpo_and_reinforcement_creates(tenant: Tenant) -> None:
     rl = create(
         tenant,
         model="tiny-chat",
-        training_file=upload(tenant, [RFT] * 4),
+        training_file=upload(tenant, RFT[:4]),
         seed=7,
         method={
             "type": "reinforcement",
-            "reinforcement": {"grader": GRADER, "hyperparameters": {"num_generations": 4, "batch_size": 2}},
+            "reinforcement": {"grader": SAYS_YES, "hyperparameters": {"num_generations": 4, "batch_size": 2}},
         },
     )
     assert rl.status == "queued" and rl.seed == 7
@@ -124,7 +117,7 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
             {
                 "method": {
                     "type": "reinforcement",
-                    "reinforcement": {"grader": GRADER, "hyperparameters": {"reasoning_effort": "high"}},
+                    "reinforcement": {"grader": SAYS_YES, "hyperparameters": {"reasoning_effort": "high"}},
                 }
             },
             "method.reinforcement.hyperparameters.reasoning_effort",
@@ -133,7 +126,7 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
             {
                 "method": {
                     "type": "reinforcement",
-                    "reinforcement": {"grader": GRADER, "hyperparameters": {"eval_interval": 2}},
+                    "reinforcement": {"grader": SAYS_YES, "hyperparameters": {"eval_interval": 2}},
                 }
             },
             "method.reinforcement.hyperparameters.eval_interval",
@@ -143,7 +136,7 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
             {
                 "method": {
                     "type": "reinforcement",
-                    "reinforcement": {"grader": GRADER, "environment": {"file_id": "f"}},
+                    "reinforcement": {"grader": SAYS_YES, "environment": {"file_id": "f"}},
                 }
             },
             "method.reinforcement.grader",
@@ -186,7 +179,7 @@ def test_legacy_hyperparameters_mean_supervised(tenant: Tenant) -> None:
                     "reinforcement": {
                         "grader": {
                             "type": "multi",
-                            "graders": {"a": GRADER},
+                            "graders": {"a": SAYS_YES},
                             "calculate_output": "__import__('os')",
                         }
                     },
@@ -245,8 +238,8 @@ def test_file_purpose_and_ownership_are_checked(tenant: Tenant, other_tenant: Te
         (None, [{"prompt": "x"}], "Line 1"),
         ({"type": "dpo"}, [DPO, DPO, {"input": {"messages": []}}], "Line 3"),
         (
-            {"type": "reinforcement", "reinforcement": {"grader": GRADER}},
-            [RFT, {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
+            {"type": "reinforcement", "reinforcement": {"grader": SAYS_YES}},
+            [RFT[0], {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}],
             "Line 2",
         ),
     ],

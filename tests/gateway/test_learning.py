@@ -12,25 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.engine import EngineServer
+from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics, upload_rows, wait_for
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    Tenant,
-    WorkerProcess,
-    drop_database,
-    make_database,
-    start_gateway,
-)
+from tests.support.stack import Admin, Tenant
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -53,22 +42,14 @@ def sentence(task: dict[str, Any]) -> str:
     return f"The answer is {task['answer']}."
 
 
+gw = gateway_fixture("learn", own_database=True)
+worker = worker_fixture(autouse=True)
+
+
 @pytest.fixture(scope="module")
-def lab(
-    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Tenant]:
-    """A gateway, engine and worker on a database of their own, and an organisation on them."""
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    database = make_database(services.pg_dsn, name)
-    gateway: GatewayServer = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("learn-data"), upstreams=[engine.url]
-    )
-    worker = WorkerProcess(gateway.settings, tmp_path_factory.mktemp("learn-worker") / "worker.log")
-    assert gateway.settings.admin_key is not None
-    yield Admin(gateway.url, gateway.settings.admin_key.get_secret_value()).tenant("learning")
-    worker.stop()
-    gateway.stop()
-    drop_database(services.pg_dsn, name)
+def lab(gw_admin: Admin) -> Tenant:
+    """An organisation on a gateway, engine and worker with a database of their own."""
+    return gw_admin.tenant("learning")
 
 
 def heldout_exact(t: Tenant, model: str) -> float:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,40 +25,13 @@ from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.limits.leases import LEASE_TTL_S
 from gateway.settings import ModelPrice, Settings
 from gateway.usage.pricing import estimate_prompt_tokens
-from tests.gateway.test_serving import BASE, MESSAGES
-from tests.support.engine import EngineServer
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    Tenant,
-    admin_of,
-    make_settings,
-    start_gateway,
-)
+from tests.support.data import BASE, MESSAGES
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import Admin, Services, Tenant, make_settings
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
 
-
-@pytest.fixture(scope="module")
-def gw(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    engine: EngineServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[GatewayServer]:
-    tmp = tmp_path_factory.mktemp("gw-limits")
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp, upstreams=[engine.url], prices={BASE: DOLLAR_PER_TOKEN}
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture("limits", prices={BASE: DOLLAR_PER_TOKEN})
 
 
 def test_requests_per_minute_429_with_headers_then_recovery(gw_admin: Admin) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +23,12 @@ import pytest
 from envsdk.archive import pack
 from envsdk.graders import MODEL_GRADER_DEFAULT_MAX_TOKENS
 from gateway.settings import ModelPrice
-from tests.support.engine import EngineServer, make_lora_adapter, register_model
+from tests.support.data import BASE
+from tests.support.engine import make_lora_adapter, register_model
+from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import upload_rows, wait_for
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    Tenant,
-    WorkerProcess,
-    admin_of,
-    drop_database,
-    make_database,
-    start_gateway,
-)
+from tests.support.stack import Admin, GatewayServer, Tenant
 
-BASE = "tiny-chat"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
 MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
 ITEM = {"question": "What is 2 + 2?", "answer": "4"}
@@ -71,36 +61,14 @@ def label(model: str) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def gw(
-    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayServer]:
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    database = make_database(services.pg_dsn, name)
-    gateway = start_gateway(
-        services,
-        database,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("calls-data"),
-        upstreams=[engine.url],
-        usage_flush_interval_s=0.3,
-        auth_cache_ttl_s=1.0,
-        prices={BASE: ModelPrice(input_per_million=1.0, output_per_million=1.0)},
-    )
-    worker = WorkerProcess(
-        gateway.settings,
-        tmp_path_factory.mktemp("calls-worker") / "worker.log",
-        TUNEGATE_HEARTBEAT_INTERVAL_S="0.5",
-    )
-    yield gateway
-    worker.stop()
-    gateway.stop()
-    drop_database(services.pg_dsn, name)
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture(
+    "calls",
+    own_database=True,
+    usage_flush_interval_s=0.3,
+    auth_cache_ttl_s=1.0,
+    prices={BASE: ModelPrice(input_per_million=1.0, output_per_million=1.0)},
+)
+worker = worker_fixture(autouse=True, TUNEGATE_HEARTBEAT_INTERVAL_S="0.5")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.data import HELLO_SFT as SFT
 from tests.support.servers import RedisServer
 from tests.support.stack import (
     ROOT,
@@ -28,11 +28,7 @@ from tests.support.stack import (
     free_port,
     make_settings,
 )
-
-SFT = [
-    {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "hello"}]}
-    for i in range(4)
-]
+from tunegate.processes import Process
 
 
 @pytest.fixture
@@ -154,7 +150,7 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _worker_of(up: subprocess.Popen[bytes], deadline: float) -> int:
+def _worker_of(up: Process, deadline: float) -> int:
     while True:
         workers = [pid for pid, cmd in _children(up.pid).items() if "tunegate worker" in cmd]
         if workers:
@@ -170,7 +166,7 @@ def _ready(url: str) -> httpx.Response | None:
         return None
 
 
-def _wait_ready(url: str, up: subprocess.Popen[bytes], status: int, deadline: float) -> httpx.Response:
+def _wait_ready(url: str, up: Process, status: int, deadline: float) -> httpx.Response:
     while (ready := _ready(url)) is None or ready.status_code != status:
         assert up.poll() is None, "tunegate up exited"
         assert time.monotonic() < deadline, f"/readyz never answered {status}: {ready and ready.text}"
@@ -204,9 +200,7 @@ def test_tunegate_up_restarts_its_worker_and_readiness_reports_a_missing_one(
         TUNEGATE_HEARTBEAT_INTERVAL_S="0.5",
         TUNEGATE_WORKER_ALIVE_AFTER_S="2",
     )
-    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - closed below
-    command = [sys.executable, "-m", "tunegate", "up"]
-    up = subprocess.Popen(command, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT)
+    up = Process([sys.executable, "-m", "tunegate", "up"], tmp_path / "up.log", env, cwd=ROOT)
     try:
         deadline = time.monotonic() + 180
         ready = _wait_ready(url, up, 200, deadline)
@@ -226,10 +220,6 @@ def test_tunegate_up_restarts_its_worker_and_readiness_reports_a_missing_one(
         second = _worker_of(up, deadline)
         assert second != first
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(timeout=60)
-        finally:
-            log.close()
-    assert up.returncode == 0
+        code = up.stop(60)
+    assert code == 0
     assert _children(up.pid) == {}

@@ -10,7 +10,6 @@ import os
 import stat
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,8 @@ import pytest
 
 from envsdk.archive import pack
 from gateway.worker.job.process import trainer_env
-from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import GatewayServer, Tenant, admin_of
 
 HIGH = {"timeout_s": 3600, "startup_timeout_s": 600, "memory_mb": 65536, "disk_mb": 65536, "fsize_mb": 65536}
 """What the hostile packages declare: the most a manifest allows."""
@@ -42,21 +42,13 @@ class Env(SingleTurnEnv):
 """
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    services: Services, database: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services,
-        database,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("sandbox-limits"),
-        sandbox_max_timeout_s=2,
-        sandbox_max_startup_timeout_s=3,
-        sandbox_max_disk_mb=16,
-    )
-    yield server
-    server.stop()
+gateway = gateway_fixture(
+    "sandbox-limits",
+    engine=False,
+    sandbox_max_timeout_s=2,
+    sandbox_max_startup_timeout_s=3,
+    sandbox_max_disk_mb=16,
+)
 
 
 def _package(tmp: Path, name: str, *, slow_import: float = 0) -> bytes:

@@ -10,7 +10,6 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,11 +18,11 @@ import httpx
 import openai
 import pytest
 
+from tests.support.data import BASE, MESSAGES
 from tests.support.engine import EngineServer, make_lora_adapter, register_model, serving_state
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, free_port, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, free_port, start_gateway
 
-BASE = "tiny-chat"
-MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS: Any = [
     {
         "type": "function",
@@ -46,24 +45,7 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return [str(make_lora_adapter(tiny_model_dir, root / f"lora{i}", seed=200 + i)) for i in range(2)]
 
 
-@pytest.fixture(scope="module")
-def gw(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    engine: EngineServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("gw"), upstreams=[engine.url]
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture("serving")
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ import pytest
 from envsdk.archive import pack
 from gateway.offload import Offload
 from tests.support.engine import EngineServer
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import Admin, GatewayServer, Tenant
 
 MB = 1024 * 1024
 MESSAGES: Any = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -54,24 +55,7 @@ def _sandbox_works() -> bool:
     return probe_backend("bwrap") or probe_backend("unshare")
 
 
-@pytest.fixture(scope="module")
-def gw(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    engine: EngineServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("stalls"), upstreams=[engine.url]
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture("stalls")
 
 
 @pytest.fixture

@@ -5,53 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
-from collections.abc import Iterator
 from datetime import datetime
-from pathlib import Path
 
 import asyncpg
 import pytest
 
+from tests.support.data import RFT, SAYS_YES
 from tests.support.engine import EngineServer
-from tests.support.stack import (
-    Admin,
-    GatewayServer,
-    Services,
-    WorkerProcess,
-    drop_database,
-    make_database,
-    start_gateway,
-)
+from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.stack import Admin, GatewayServer
 
 pytestmark = pytest.mark.slow
 
-RFT = [{"messages": [{"role": "user", "content": f"Say yes ({i})"}], "answer": "yes"} for i in range(8)]
-GRADER = {
-    "type": "string_check",
-    "name": "yes",
-    "input": "{{ sample.output_text }}",
-    "reference": "y",
-    "operation": "like",
-}
-
-
-@pytest.fixture(scope="module")
-def served(
-    services: Services, engine: EngineServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[GatewayServer, EngineServer]]:
-    """A gateway, engine and worker on a database of their own (no other module's worker claims its jobs)."""
-    name = f"tunegate_test_{secrets.token_hex(4)}"
-    database = make_database(services.pg_dsn, name)
-    gateway = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("serve-data"), upstreams=[engine.url]
-    )
-    worker = WorkerProcess(gateway.settings, tmp_path_factory.mktemp("serve-worker") / "worker.log")
-    yield gateway, engine
-    worker.stop()
-    gateway.stop()
-    drop_database(services.pg_dsn, name)
+gw = gateway_fixture("train-serve", own_database=True)
+"""A gateway in front of the module's engine, and a worker, on a database of their own (no other module's
+worker claims its jobs)."""
+worker = worker_fixture(autouse=True)
 
 
 async def _finished_at(gateway: GatewayServer, job_id: str) -> datetime:
@@ -66,11 +36,9 @@ async def _finished_at(gateway: GatewayServer, job_id: str) -> datetime:
 
 
 def test_trained_model_is_loaded_before_success_and_answers(
-    served: tuple[GatewayServer, EngineServer],
+    gw: GatewayServer, gw_admin: Admin, engine: EngineServer
 ) -> None:
-    gateway, engine = served
-    assert gateway.settings.admin_key is not None
-    tenant = Admin(gateway.url, gateway.settings.admin_key.get_secret_value()).tenant("train-serve")
+    tenant = gw_admin.tenant("train-serve")
     client = tenant.client
     data = "\n".join(json.dumps(r) for r in RFT).encode()
     fid = client.files.create(file=("tasks.jsonl", data), purpose="fine-tune").id
@@ -82,7 +50,7 @@ def test_trained_model_is_loaded_before_success_and_answers(
         method={
             "type": "reinforcement",
             "reinforcement": {
-                "grader": GRADER,
+                "grader": SAYS_YES,
                 "hyperparameters": {
                     "batch_size": 2,
                     "num_generations": 4,
@@ -104,7 +72,7 @@ def test_trained_model_is_loaded_before_success_and_answers(
     # The engine took the adapter before the job's success was committed (the database keeps microseconds).
     listed = engine.models()
     assert model in listed and listed[model]["parent"] == "tiny-chat"
-    finished = asyncio.run(_finished_at(gateway, job.id))
+    finished = asyncio.run(_finished_at(gw, job.id))
     assert listed[model]["loaded_at"] < finished.timestamp()
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say yes"}], max_tokens=8, temperature=0, seed=1

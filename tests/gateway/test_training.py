@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
+from tests.support.data import DPO, RFT, SAYS_YES, SFT
+from tests.support.fixtures import worker_fixture
 from tests.support.jobs import (
     all_events,
     long_sft_job,
@@ -27,44 +28,7 @@ from tests.support.stack import Admin, GatewayServer, Services, Tenant, WorkerPr
 
 pytestmark = pytest.mark.slow
 
-SFT = [
-    {
-        "messages": [
-            {"role": "user", "content": f"What is {i} plus {i}?"},
-            {"role": "assistant", "content": f"{2 * i}"},
-        ]
-    }
-    for i in range(8)
-]
-DPO = [
-    {
-        "input": {"messages": [{"role": "user", "content": f"Greet person {i}"}]},
-        "preferred_output": [{"role": "assistant", "content": "Hello there!"}],
-        "non_preferred_output": [{"role": "assistant", "content": "Go away."}],
-    }
-    for i in range(8)
-]
-RFT = [{"messages": [{"role": "user", "content": f"Say yes ({i})"}], "answer": "yes"} for i in range(8)]
-"""Reinforcement tasks for jobs that are interrupted (learning itself is tested in test_learning.py)."""
-CONTAINS_YES = {
-    "type": "string_check",
-    "name": "yes",
-    "input": "{{ sample.output_text }}",
-    "reference": "y",
-    "operation": "like",
-}
-
-
-@pytest.fixture(scope="module")
-def worker(stack: GatewayServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    w = WorkerProcess(
-        stack.settings,
-        tmp_path_factory.mktemp("worker") / "worker.log",
-        TUNEGATE_STALE_AFTER_S="4",
-        TUNEGATE_REQUEUE_INTERVAL_S="2",
-    )
-    yield w
-    w.stop()
+worker = worker_fixture(of="stack", TUNEGATE_STALE_AFTER_S="4", TUNEGATE_REQUEUE_INTERVAL_S="2")
 
 
 def _assert_adapter_trained(stack: GatewayServer, t: Tenant, job_id: str) -> None:
@@ -171,7 +135,7 @@ def _long_rl(t: Tenant, steps: int) -> Any:
         method={
             "type": "reinforcement",
             "reinforcement": {
-                "grader": CONTAINS_YES,
+                "grader": SAYS_YES,
                 "hyperparameters": {
                     "n_epochs": 50,
                     "batch_size": 2,

@@ -7,7 +7,6 @@ import asyncio
 import secrets
 import time
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,30 +15,12 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.gateway.test_serving import BASE, MESSAGES
-from tests.support.engine import EngineServer, make_lora_adapter, register_model
-from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.data import BASE, MESSAGES
+from tests.support.engine import make_lora_adapter, register_model
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import Admin, GatewayServer, Tenant
 
-
-@pytest.fixture(scope="module")
-def gw(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    engine: EngineServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[GatewayServer]:
-    tmp = tmp_path_factory.mktemp("gw-usage")
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp, upstreams=[engine.url], usage_flush_interval_s=0.3
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def gw_admin(gw: GatewayServer) -> Admin:
-    return admin_of(gw)
+gw = gateway_fixture("usage", usage_flush_interval_s=0.3)
 
 
 def _rows(database: str, org_id: str) -> list[asyncpg.Record]:

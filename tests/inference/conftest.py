@@ -3,9 +3,6 @@ from the root conftest)."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.engine import make_lora_adapter
+from tunegate.processes import ServerThread, free_port
 
 MODEL_NAME = "tiny-chat"
 
@@ -25,28 +23,26 @@ def adapter_dirs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     return [make_lora_adapter(tiny_model_dir, root / f"lora{i}", seed=100 + i) for i in range(4)]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class RunningServer:
     """An engine app served by uvicorn in a background thread."""
 
-    url: str
-    app: Any
-    server: Any
-    thread: threading.Thread
+    running: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def app(self) -> Any:
+        return self.running.app
 
     @property
     def engine(self) -> Any:
         return self.app.state.router.engines[MODEL_NAME]
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.running.stop()
 
 
 def _start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
@@ -55,16 +51,8 @@ def _start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
     from inference.server import create_app
 
     app = create_app(models, device="cpu", **kwargs)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name=f"engine-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("engine server did not start")
-        time.sleep(0.05)
-    return RunningServer(url=f"http://127.0.0.1:{port}", app=app, server=server, thread=thread)
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    return RunningServer(ServerThread(uvicorn.Server(config), "engine").start())
 
 
 @pytest.fixture(scope="session")

@@ -4,43 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import httpx
 import uvicorn
 
 from gateway.serving.upstreams import ServingState
-from tests.support.stack import GatewayServer, free_port
+from tests.support.stack import GatewayServer
+from tunegate.processes import ServerThread, free_port
 
 
 @dataclass
 class EngineServer:
     """`inference.server.create_app` on a free port, served by uvicorn in a thread."""
 
-    url: str
-    server: uvicorn.Server
-    thread: threading.Thread
+    running: ServerThread
 
     @classmethod
     def start(cls, models: dict[str, str], *, max_loras: int = 4) -> EngineServer:
         from inference.server import create_app
 
-        port = free_port()
         app = create_app(models, device="cpu", max_loras=max_loras)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the engine did not start")
-            time.sleep(0.05)
-        return cls(f"http://127.0.0.1:{port}", server, thread)
+        config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+        return cls(ServerThread(uvicorn.Server(config), "engine").start())
+
+    @property
+    def url(self) -> str:
+        return self.running.url
 
     def models(self) -> dict[str, dict]:
         """`/v1/models` of the engine, by id."""
@@ -48,8 +40,7 @@ class EngineServer:
             return {m["id"]: m for m in http.get(f"{self.url}/v1/models").json()["data"]}
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.running.stop()
 
 
 def make_lora_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 8) -> Path:
@@ -119,7 +110,6 @@ def register_model(
 
 def serving_state(gateway: GatewayServer) -> ServingState:
     """The running gateway's serving state (upstream pools, usage, load counts)."""
-    app: Any = gateway.server.config.app
-    state = app.state.resources.serving
+    state = gateway.app.state.resources.serving
     assert isinstance(state, ServingState)
     return state
