@@ -272,7 +272,8 @@ def allocate_uid() -> int:
     return 200_000 + secrets.randbelow(800_000)
 
 
-def _pids_of(uid: int) -> list[int]:
+def pids_of(uid: int) -> list[int]:
+    """Ids of the processes running as `uid`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -289,7 +290,7 @@ def kill_uid(uid: int, within_s: float = 5.0) -> None:
     namespace down after its first process died, not with it, and a fork bomb may outlive the group kill
     for a moment. A closed sandbox thus leaves no process behind."""
     deadline = time.monotonic() + within_s
-    while pids := _pids_of(uid):
+    while pids := pids_of(uid):
         if time.monotonic() > deadline:
             logger.error("sandbox uid %d still has processes %s after SIGKILL", uid, pids[:10])
             return

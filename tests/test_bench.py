@@ -133,9 +133,10 @@ def test_metering_bench_loses_no_usage(report: dict[str, Any]) -> None:
     assert alone["written"] == alone["recorded"] == alone["rows_in_database"] > 0 and alone["dropped"] == 0
 
 
-def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None:
+def run_quick(name: str, tmp_path: Path) -> dict[str, Any]:
+    """Run one bench in quick mode (its summary into `tmp_path/B.md`); returns its part of the report."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "training", "--quick", "--results-dir", str(tmp_path)]
+        [sys.executable, "-m", "bench", name, "--quick", "--results-dir", str(tmp_path)]
         + ["--markdown", str(tmp_path / "B.md")],
         cwd=ROOT,
         capture_output=True,
@@ -143,7 +144,11 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
         timeout=280,
     )
     assert (tmp_path / "latest.json").exists(), proc.stderr[-3000:]
-    t = json.loads((tmp_path / "latest.json").read_text())["benches"]["training"]
+    return json.loads((tmp_path / "latest.json").read_text())["benches"][name]
+
+
+def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None:
+    t = run_quick("training", tmp_path)
     assert "error" not in t, t.get("traceback")
     assert t["steps"] == 2 and t["plain_trl"]["steps"] == 2
     assert _number(t["plain_trl"]["wall_s"]) and _number(t["tunegate"]["wall_s"])
@@ -153,16 +158,7 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
 
 
 def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench", "stalls", "--quick", "--results-dir", str(tmp_path)]
-        + ["--markdown", str(tmp_path / "B.md")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert (tmp_path / "latest.json").exists(), proc.stderr[-3000:]
-    s = json.loads((tmp_path / "latest.json").read_text())["benches"]["stalls"]
+    s = run_quick("stalls", tmp_path)
     assert "error" not in s, s.get("traceback")
     for side in ("idle", "attacked"):
         assert s[side]["n"] > 0 and _number(s[side]["p99_ms"]) and s[side]["failures"] == 0

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 
 import pytest
 
 from envsdk import Limits, Sandbox, SandboxError
+from envsdk.sandbox_backends import pids_of
 
 FAST = Limits(timeout_s=3, startup_timeout_s=20, memory_mb=512, nproc=24, fsize_mb=8)
 
@@ -29,18 +29,6 @@ def _stderr_when_it_has(sandbox: Sandbox, *needles: str, within_s: float = 10.0)
         time.sleep(0.02)
         tail = sandbox.stderr_tail()
     return tail
-
-
-def _alive_processes(uid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    pids.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return pids
 
 
 def test_no_network(make_package, sandbox_backend):
@@ -155,7 +143,7 @@ while True:
     assert info.value.code == "timeout"
     assert not sandbox.running
     if uid is not None:
-        assert _alive_processes(uid) == []
+        assert pids_of(uid) == []
     sandbox.start()  # restartable
     assert sandbox.describe()["kind"] == "single_turn"
     sandbox.close()
