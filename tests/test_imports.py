@@ -8,13 +8,15 @@ import ast
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.support.source import source_files
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def imported_modules(package: str) -> dict[str, set[str]]:
     """Every module each file of `package` imports (absolute names), by file."""
     found: dict[str, set[str]] = {}
-    for path in (ROOT / package).rglob("*.py"):
+    for path in source_files(package):
         names: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
@@ -79,7 +81,7 @@ def import_graph() -> dict[str, set[str]]:
     module, else of `a`."""
     paths: dict[str, Path] = {}
     for package in PROJECT:
-        for path in (ROOT / package).rglob("*.py"):
+        for path in source_files(package):
             parts = path.relative_to(ROOT).with_suffix("").parts
             paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.support.source import source_files
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("gateway", "trainer", "inference", "envsdk", "tunegate", "bench")
 MAX_LINES = 500
@@ -20,7 +22,7 @@ def module_lengths() -> dict[str, int]:
     return {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
         for package in PACKAGES
-        for path in sorted((ROOT / package).rglob("*.py"))
+        for path in source_files(package)
     }
 
 
