@@ -143,32 +143,29 @@ def build_tokenizer(recipe: TinyRecipe = TinyRecipe()):  # -> transformers.PreTr
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
-        padding_side="left",
-        model_max_length=2048,
-    )
-    fast.chat_template = qwen2_5_chat_template()
+
+    def wrapped() -> PreTrainedTokenizerFast:
+        """`tok` as transformers sees it: special tokens, left padding, the chat template."""
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=None,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
+            padding_side="left",
+            model_max_length=2048,
+            chat_template=qwen2_5_chat_template(),
+        )
+
+    # Chats are rendered through the template before training so that its own text gets merges too.
+    fast = wrapped()
     rng = random.Random(recipe.seed)
     lines = corpus_path().read_text(encoding="utf-8").splitlines()
     for _ in range(2000):  # the template's own text (its default system prompt) gets merges too
         lines.extend("".join(_render(fast, chat(rng))).splitlines())
     # One line at a time keeps the byte-pair counts (and so the merges) independent of batching.
     tok.train_from_iterator(lines, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:2] + SPECIAL_TOKENS[3:],
-        padding_side="left",
-        model_max_length=2048,
-        chat_template=qwen2_5_chat_template(),
-    )
+    return wrapped()
 
 
 def fit(model: Any, tokenizer: Any, recipe: TinyRecipe) -> float:
