@@ -68,21 +68,50 @@ def test_memory_beyond_the_maxima(make_package, backend):
     assert result["error"] == "MemoryError"
 
 
-def test_processes_beyond_the_maxima(make_package, backend):
-    package = make_package(
-        _canary("""
+FORKS = """
 for _ in range(64):
     if os.fork() == 0:
         time.sleep(5)
         os._exit(0)
 return 1.0
-"""),
-        limits=HIGH,
-    )
+"""
+"""Forks past the process cap."""
+
+DISK = """
+written = 0
+chunk = b"x" * 2**20
+for i in range(64):
+    folder = ("/scratch", "/tmp", os.environ["HOME"], os.environ["TMPDIR"])[i % 4]
+    with open(f"{folder}/part{i}", "wb") as out:
+        for _ in range(4):
+            out.write(chunk)
+            written += len(chunk)
+return float(written > 16 * 2**20)
+"""
+"""Files under the file-size cap, spread over every writable place: the total is what is bounded."""
+
+OPEN_FILES = """
+files = [open("/dev/null") for _ in range(100)]
+return 1.0
+"""
+"""Opens past the open-files cap."""
+
+
+@pytest.mark.parametrize(
+    ("body", "refusal"),
+    [
+        (FORKS, "Resource temporarily unavailable"),
+        (DISK, "No space left on device"),
+        (OPEN_FILES, "Too many open files"),
+    ],
+    ids=["processes", "disk", "open_files"],
+)
+def test_the_maxima_stop_what_the_package_allows_itself(make_package, backend, body, refusal):
+    package = make_package(_canary(body), limits=HIGH)
     with Sandbox(package, maxima=SMALL, backend=backend) as sandbox:
         result = _score(sandbox)
     assert result["reward"] != 1.0
-    assert "Resource temporarily unavailable" in str(result["error"])
+    assert refusal in str(result["error"])
 
 
 def test_wall_time_beyond_the_maxima(make_package, backend):
@@ -108,42 +137,6 @@ return 1.0
         with pytest.raises(SandboxError, match="CPU-time limit") as info:
             _score(sandbox)
     assert info.value.code == "cpu_limit"
-
-
-def test_disk_beyond_the_quota(make_package, backend):
-    # Files under the file-size cap, spread over every writable place: the total is what is bounded.
-    package = make_package(
-        _canary("""
-written = 0
-chunk = b"x" * 2**20
-for i in range(64):
-    folder = ("/scratch", "/tmp", os.environ["HOME"], os.environ["TMPDIR"])[i % 4]
-    with open(f"{folder}/part{i}", "wb") as out:
-        for _ in range(4):
-            out.write(chunk)
-            written += len(chunk)
-return float(written > 16 * 2**20)
-"""),
-        limits=HIGH,
-    )
-    with Sandbox(package, maxima=SMALL, backend=backend) as sandbox:
-        result = _score(sandbox)
-    assert result["reward"] != 1.0
-    assert "No space left on device" in str(result["error"])
-
-
-def test_open_files_beyond_the_maxima(make_package, backend):
-    package = make_package(
-        _canary("""
-files = [open("/dev/null") for _ in range(100)]
-return 1.0
-"""),
-        limits=HIGH,
-    )
-    with Sandbox(package, maxima=SMALL, backend=backend) as sandbox:
-        result = _score(sandbox)
-    assert result["reward"] != 1.0
-    assert "Too many open files" in str(result["error"])
 
 
 def test_start_up_beyond_the_maxima(make_package, backend):
