@@ -31,11 +31,13 @@ from gateway.models.router import router as models_router
 from gateway.offload import Offload
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
+from gateway.serving.engines import Engines
 from gateway.serving.router import router as serving_router
-from gateway.serving.upstreams import ServingState
+from gateway.serving.targets import ModelCache
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.usage.buffer import UsageBuffer
 from gateway.usage.metrics import UsageCollector
 from gateway.usage.router import router as usage_router
 from gateway.wire import check_request
@@ -73,8 +75,8 @@ def create_app(settings: Settings) -> FastAPI:
             settings.database_url, min_size=settings.db_pool_min, max_size=settings.db_pool_max
         )
         auth = Authenticator(pool, ttl_s=settings.auth_cache_ttl_s)
-        offload = Offload(settings)
         queue = make_queue(settings.redis_url) if settings.redis_url else None
+        limits_redis = make_limits_redis(settings.redis_url) if settings.redis_url else None
         res = Resources(
             settings=settings,
             pool=pool,
@@ -82,16 +84,20 @@ def create_app(settings: Settings) -> FastAPI:
             auth=auth,
             queue=queue,
             admin_key=settings.admin_key_value(),
-            serving=ServingState(settings),
-            offload=offload,
-            extras={"started_at": int(time.time())},
+            engines=Engines(settings),
+            models=ModelCache(ttl_s=max(settings.auth_cache_ttl_s, 1.0)),
+            usage=UsageBuffer(
+                max_rows=settings.usage_buffer_rows,
+                flush_rows=settings.usage_flush_rows,
+                flush_interval_s=settings.usage_flush_interval_s,
+            ),
+            guard=Guard(settings, pool, Buckets(limits_redis) if limits_redis is not None else None),
+            offload=Offload(settings),
+            started_at=int(time.time()),
         )
-        assert res.serving is not None
-        res.serving.usage.start(pool)
-        usage_metrics = UsageCollector(res.serving.usage)
+        res.usage.start(pool)
+        usage_metrics = UsageCollector(res.usage)
         app.state.metrics.registry.register(usage_metrics)
-        limits_redis = make_limits_redis(settings.redis_url) if settings.redis_url else None
-        res.serving.guard = Guard(settings, pool, Buckets(limits_redis) if limits_redis is not None else None)
         app.state.resources = res
         flusher = asyncio.create_task(auth.run_flusher())
         try:
@@ -102,16 +108,16 @@ def create_app(settings: Settings) -> FastAPI:
                 await flusher
             with contextlib.suppress(Exception):
                 await auth.flush_last_used()
-            if res.serving.guard is not None:
-                await res.serving.guard.aclose()  # gives back its budget leases, sends the spend it owes
-            await res.serving.aclose()  # writes the usage still waiting in the buffer
+            await res.guard.aclose()  # gives back its budget leases, sends the spend it owes
+            await res.usage.aclose()  # writes the usage still waiting in the buffer
+            await res.engines.aclose()
             app.state.metrics.registry.unregister(usage_metrics)
             if limits_redis is not None:
                 await limits_redis.aclose()
             if queue is not None:
                 await queue.aclose()
             await pool.close()
-            await asyncio.to_thread(offload.close)
+            await asyncio.to_thread(res.offload.close)
 
     app = GatewayApp(
         metrics=Metrics(),

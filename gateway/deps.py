@@ -12,27 +12,38 @@ from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
 from gateway.errors import AuthenticationFailed, PermissionDenied
+from gateway.limits.guard import Guard
 from gateway.offload import Offload
-from gateway.serving.upstreams import ServingState
+from gateway.serving.engines import Engines
+from gateway.serving.targets import ModelCache
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator, Principal, bearer_token
+from gateway.usage.buffer import UsageBuffer
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Resources:
-    """Everything a request may need, made in the lifespan and shared by all requests."""
+    """Everything a request may need, made in the lifespan (`gateway.app`) and shared by all requests."""
 
     settings: Settings
     pool: asyncpg.Pool
     blobs: BlobStore
     auth: Authenticator
     queue: ArqRedis | None
+    """The job queue; None when no Redis is configured (jobs are then queued by the worker's cron)."""
     admin_key: str | None
-    serving: ServingState | None = None
-    """Serving state: the pooled client to the inference engines, adapter loads, model cache, usage."""
-    offload: Offload | None = None
+    engines: Engines
+    """The inference engines of every base model and the adapters they hold (`gateway.serving.engines`)."""
+    models: ModelCache
+    """Model ids resolved in the last few seconds (`gateway.serving.targets`)."""
+    usage: UsageBuffer
+    """Completion metering, written in batches by a background task."""
+    guard: Guard
+    """Rate limits and budgets (enforcing nothing where no Redis is configured)."""
+    offload: Offload
     """Sandbox slots and the CPU pool, with each organisation's share (`gateway.offload`)."""
-    extras: dict[str, object] = field(default_factory=dict)
+    started_at: int
+    """When this gateway started (unix seconds): the `created` of base models."""
 
 
 async def get_resources(request: Request) -> Resources:

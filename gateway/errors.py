@@ -190,47 +190,45 @@ def map_infrastructure_error(exc: BaseException) -> APIError | None:
     return None
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception through the one mapper."""
-
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, APIError)
-        return error_response(exc)
-
-    async def on_validation(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
+def as_api_error(exc: Exception, method: str, path: str) -> APIError:
+    """The one mapper from an exception to what the client sees, used by the app's handlers and by the raw
+    proxy path alike: an `APIError` as it is; a request that failed validation as a 400 naming the field;
+    Starlette's unknown URL and method as 404 and 405; a lost backing service or a value the database
+    refused as `map_infrastructure_error` says; anything else as a 500 (logged with its traceback)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestValidationError):
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "Invalid request."}
         param = _validation_param(tuple(first.get("loc", ())))
         msg = str(first.get("msg", "Invalid request."))
         message = f"Invalid value for '{param}': {msg}" if param else msg
-        return error_response(InvalidRequest(message, param=param, code="invalid_value"))
-
-    async def on_http(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, StarletteHTTPException)
+        return InvalidRequest(message, param=param, code="invalid_value")
+    if isinstance(exc, StarletteHTTPException):
         mapped: APIError
         if exc.status_code == 404:
-            mapped = NotFound(
-                f"Unknown request URL: {request.method} {request.url.path}.", code="unknown_url"
-            )
-        elif exc.status_code == 405:
-            mapped = InvalidRequest(f"Method {request.method} not allowed for {request.url.path}.")
+            return NotFound(f"Unknown request URL: {method} {path}.", code="unknown_url")
+        if exc.status_code == 405:
+            mapped = InvalidRequest(f"Method {method} not allowed for {path}.")
             mapped.status = 405
-        else:
-            mapped = APIError(str(exc.detail))
-            mapped.status = exc.status_code
-            mapped.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(mapped)
+            return mapped
+        mapped = APIError(str(exc.detail))
+        mapped.status = exc.status_code
+        mapped.type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return mapped
+    infrastructure = map_infrastructure_error(exc)
+    if infrastructure is not None:
+        logger.warning("%s %s: %s", method, path, infrastructure.message)
+        return infrastructure
+    logger.error("unhandled error on %s %s", method, path, exc_info=exc)
+    return APIError("The server had an error while processing your request.")
 
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        mapped = map_infrastructure_error(exc)
-        if mapped is not None:
-            logger.warning("%s %s: %s", request.method, request.url.path, mapped.message)
-            return error_response(mapped)
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError("The server had an error while processing your request."))
 
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(Exception, on_unexpected)
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every exception through the one mapper."""
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_response(as_api_error(exc, request.method, request.url.path))
+
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, on_error)

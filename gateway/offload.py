@@ -31,15 +31,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 from gateway.errors import RateLimited, ServiceUnavailable
 from gateway.settings import Settings
-
-if TYPE_CHECKING:
-    from gateway.deps import Resources
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +165,3 @@ def _start_pool_process() -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def offload_of(res: Resources) -> Offload:
-    """The `Offload` the lifespan made."""
-    assert res.offload is not None, "the offload is made in the lifespan"
-    return res.offload

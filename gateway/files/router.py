@@ -10,7 +10,6 @@ from fastapi.responses import FileResponse
 from gateway.deps import PrincipalDep, ResourcesDep
 from gateway.files import service
 from gateway.files.protocol import FileDeleted, FileObject
-from gateway.offload import offload_of
 from gateway.protocol import CursorPage
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
@@ -23,7 +22,7 @@ async def create_file(request: Request, res: ResourcesDep, who: PrincipalDep) ->
         res.pool,
         res.blobs,
         res.settings,
-        offload=offload_of(res),
+        offload=res.offload,
         org_id=who.organization_id,
         content_type=request.headers.get("content-type"),
         content_length=int(length) if length and length.isdigit() else None,

@@ -16,7 +16,6 @@ from envsdk.graders import GraderError, python_sources, validate_grader
 from envsdk.python_grader import source_problems
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest
-from gateway.offload import offload_of
 
 INLINE_SOURCE_CHARS = 4096
 """Python sources up to this long are parsed on the event loop (a few milliseconds at most)."""
@@ -42,7 +41,7 @@ async def check_grader(res: Resources, org_id: str, grader: Any, param: str = "g
     except GraderError as exc:
         raise _invalid(exc, param) from None
     if large:
-        problems = await offload_of(res).cpu(org_id, source_problems, [source for _, source in sources])
+        problems = await res.offload.cpu(org_id, source_problems, [source for _, source in sources])
         for (where, _), problem in zip(sources, problems, strict=True):
             if problem is not None:
                 raise InvalidRequest(problem, param=where, code="invalid_grader")

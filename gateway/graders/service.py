@@ -46,7 +46,6 @@ from gateway.graders.protocol import (
     GraderRunRequest,
     GraderValidateResponse,
 )
-from gateway.offload import offload_of
 from gateway.serving.calls import GatewayModels, check_models
 from gateway.settings import Settings
 
@@ -96,7 +95,7 @@ async def run_grader(res: Resources, who: Caller, body: GraderRunRequest) -> dic
             code="string_above_max_length",
         )
     await check_models(res, who.principal, model_fields(body.grader))
-    offload = offload_of(res)
+    offload = res.offload
     try:
         if computes_only(body.grader):
             graded = await offload.cpu(org_id, grade_within, body.grader, body.model_sample, body.item, most)
@@ -229,7 +228,7 @@ def _run_environment_checked(
 async def run_environment(res: Resources, who: Caller, body: EnvironmentRunRequest) -> EnvironmentRunResponse:
     """Score `completion` (or let `model` play) with the caller's environment package."""
     org_id = who.principal.organization_id
-    offload_of(res).admit(org_id)
+    res.offload.admit(org_id)
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
     if row is None:
         raise not_found("file", body.file_id, param="file_id")
@@ -245,4 +244,4 @@ async def run_environment(res: Resources, who: Caller, body: EnvironmentRunReque
         await check_models(res, who.principal, [(body.model, "model")])
     archive = res.blobs.path(row["blob_key"])
     run = functools.partial(_run_environment_checked, res.settings, archive, body, who.key)
-    return await offload_of(res).thread(org_id, run)
+    return await res.offload.thread(org_id, run)

@@ -275,10 +275,7 @@ async def _check_budget(res: Resources, org_id: str, base_model: str, file_bytes
     if billing is None or billing["monthly_budget_usd"] is None:
         return
     estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
-    guard = res.serving.guard if res.serving is not None else None
-    if guard is None:
-        return
-    spent = await guard.month_spend_micro(org_id) / 1e6
+    spent = await res.guard.month_spend_micro(org_id) / 1e6
     if spent + estimate > billing["monthly_budget_usd"]:
         raise InsufficientQuota(
             f"This job's estimated cost (${estimate:.4f}) does not fit the organization's remaining monthly "

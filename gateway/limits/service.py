@@ -8,15 +8,10 @@ import logging
 from gateway.deps import Resources
 from gateway.errors import not_found
 from gateway.limits import store
-from gateway.limits.guard import Guard
 from gateway.limits.protocol import BillingSettings, BillingUpdate, Limits, LimitsUpdate, OrgLimits
 from gateway.tenancy import store as tenancy_store
 
 logger = logging.getLogger(__name__)
-
-
-def _guard(res: Resources) -> Guard | None:
-    return res.serving.guard if res.serving is not None else None
 
 
 async def _check_org(res: Resources, org_id: str) -> None:
@@ -33,9 +28,7 @@ async def set_limits(res: Resources, *, org_id: str, key_id: str | None, body: L
         requests=body.max_requests_per_1_minute,
         tokens=body.max_tokens_per_1_minute,
     )
-    guard = _guard(res)
-    if guard is not None:
-        guard.forget(org_id)
+    res.guard.forget(org_id)
     return Limits.from_row(row)
 
 
@@ -49,8 +42,7 @@ async def set_key_limits(res: Resources, *, key_id: str, body: LimitsUpdate) -> 
 async def get_billing(res: Resources, org_id: str) -> BillingSettings:
     await _check_org(res, org_id)
     row = await store.billing_of_org(res.pool, org_id=org_id)
-    guard = _guard(res)
-    spent = await guard.month_spend_micro(org_id) / 1e6 if guard is not None else None
+    spent = await res.guard.month_spend_micro(org_id) / 1e6
     return BillingSettings(
         organization_id=org_id,
         monthly_budget_usd=row["monthly_budget_usd"] if row else None,
@@ -70,9 +62,7 @@ async def set_billing(res: Resources, org_id: str, body: BillingUpdate) -> Billi
         customer=body.stripe_customer_id,
         set_customer="stripe_customer_id" in given,
     )
-    guard = _guard(res)
-    if guard is not None:
-        guard.forget(org_id)
+    res.guard.forget(org_id)
     return await get_billing(res, org_id)
 
 

@@ -10,7 +10,7 @@ from gateway.deps import PrincipalDep, ResourcesDep
 from gateway.errors import PermissionDenied, not_found
 from gateway.models import store
 from gateway.protocol import OpenAIBaseModel
-from gateway.serving.service import unload_adapter_everywhere
+from gateway.serving.service import forget_model
 from gateway.timeutil import ts
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -35,7 +35,7 @@ class ModelDeleted(OpenAIBaseModel):
 
 
 def _base_models(res: ResourcesDep) -> list[Model]:
-    started = int(res.extras.get("started_at", 0))  # type: ignore[call-overload]
+    started = res.started_at
     return [
         Model(id=name, created=started, owned_by=cfg.owned_by)
         for name, cfg in res.settings.base_models.items()
@@ -69,7 +69,5 @@ async def delete_model(model_id: str, res: ResourcesDep, who: PrincipalDep) -> M
     row = await store.delete(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    if res.serving is not None:
-        # Stops answering at once on this gateway (cache dropped) and frees the engines' slots.
-        await unload_adapter_everywhere(res, model_id, row["base_model"])
+    await forget_model(res, model_id, row["base_model"])
     return ModelDeleted(id=model_id)

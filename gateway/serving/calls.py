@@ -45,9 +45,8 @@ RELAYED_STATUSES = frozenset({401, 403, 404, 429})
 async def check_models(res: Resources, who: Principal, fields: Iterable[tuple[str, str]]) -> None:
     """Each `(model, param)` resolved for the caller as the chat route resolves it; else that route's 404
     `model_not_found` (the same for an unknown model and another organisation's), `param` naming the field."""
-    state = service.serving_state(res)
     for model, param in fields:
-        await service.resolve(state, res.pool, who, model, param=param)
+        await service.resolve(res, who, model, param=param)
 
 
 def relayed(status: int, error: dict[str, Any] | None, retry_after: str | None) -> UpstreamError:

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from gateway.deps import Resources
-from gateway.errors import APIError, error_response, map_infrastructure_error
+from gateway.errors import as_api_error, error_response
 from gateway.serving import service
 from gateway.serving.protocol import ProxyRequest
 from gateway.tenancy.keys import bearer_token
@@ -86,7 +86,6 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
     try:
         res: Resources = scope["app"].state.resources
         who = await res.auth.authenticate(bearer_token(_authorization(scope)))
-        state = service.serving_state(res)
         body = await _read_body(receive)
         handler = asyncio.current_task()
         assert handler is not None
@@ -98,12 +97,12 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
 
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         proxy = ProxyRequest.parse(body)
-        target = await service.resolve(state, res.pool, who, proxy.model)
-        proxy.check_max_tokens(state.context_length(target.base_model))
+        target = await service.resolve(res, who, proxy.model)
+        proxy.check_max_tokens(res.engines.context_length(target.base_model))
         if proxy.stream:
-            await service.stream(state, tracked_send, who, scope["path"], proxy, target)
+            await service.stream(res, tracked_send, who, scope["path"], proxy, target)
         else:
-            await service.complete(state, tracked_send, who, scope["path"], proxy, target)
+            await service.complete(res, tracked_send, who, scope["path"], proxy, target)
     except asyncio.CancelledError:
         if not ex.disconnected:
             raise
@@ -114,15 +113,7 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
     except Exception as exc:
         if ex.started:
             raise
-        if not isinstance(exc, APIError):
-            mapped = map_infrastructure_error(exc)
-            if mapped is None:
-                logger.exception("unhandled error on POST %s", scope["path"])
-                mapped = APIError("The server had an error while processing your request.")
-            else:
-                logger.warning("POST %s: %s", scope["path"], mapped.message)
-            exc = mapped
-        await error_response(exc)(scope, receive, send)
+        await error_response(as_api_error(exc, "POST", scope["path"]))(scope, receive, send)
     finally:
         ex.finished = True
         if timer is not None:

@@ -10,18 +10,19 @@ for a batched write, never written on the request path.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Any
 
-import asyncpg
 import httpx
 from starlette.types import Send
 
 from gateway.deps import Resources
-from gateway.errors import APIError, ServiceUnavailable, UpstreamError, not_found
+from gateway.errors import APIError, ServiceUnavailable, UpstreamError
 from gateway.limits.guard import Admission
+from gateway.serving import targets
+from gateway.serving.engine_client import UpstreamBroken, UpstreamResponse, UpstreamUnreachable
+from gateway.serving.engines import Target, Upstream
 from gateway.serving.protocol import (
     ProxyRequest,
     StreamRewriter,
@@ -29,126 +30,23 @@ from gateway.serving.protocol import (
     rewrite_response,
     upstream_error,
 )
-from gateway.serving.upstreams import (
-    ServingState,
-    Target,
-    Upstream,
-    UpstreamBroken,
-    UpstreamResponse,
-    UpstreamUnreachable,
-)
-from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
 from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
 logger = logging.getLogger(__name__)
 
-GET_MODEL = "SELECT base_model, adapter_path FROM models WHERE id = $1 AND organization_id = $2"
-GET_CHECKPOINT = """
-SELECT j.model AS base_model, c.path AS adapter_path
-FROM fine_tuning_job_checkpoints c JOIN fine_tuning_jobs j ON j.id = c.job_id
-WHERE c.fine_tuned_model_checkpoint = $1 AND c.organization_id = $2
-LIMIT 1"""
+
+async def resolve(res: Resources, who: Principal, model_id: str, *, param: str = "model") -> Target:
+    """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models)."""
+    return await targets.resolve(
+        res.settings, res.models, res.pool, who.organization_id, model_id, param=param
+    )
 
 
-def serving_state(res: Resources) -> ServingState:
-    state = res.serving
-    assert state is not None, "serving state is made in the lifespan"
-    return state
-
-
-# ---------------------------------------------------------------------------------------------- models
-async def resolve(
-    state: ServingState, pool: asyncpg.Pool, who: Principal, model_id: str, *, param: str = "model"
-) -> Target:
-    """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models), whose
-    `param` is `param` (the field that named the model)."""
-    if model_id in state.settings.base_models:
-        return Target(model_id=model_id, base_model=model_id)
-    hit, target = state.models.get(who.organization_id, model_id)
-    if not hit and model_id.startswith("ft:"):
-        row = await pool.fetchrow(GET_MODEL, model_id, who.organization_id)
-        if row is None and ":ckpt-step-" in model_id:
-            row = await pool.fetchrow(GET_CHECKPOINT, model_id, who.organization_id)
-        target = None
-        if row is not None:
-            base = row["base_model"]
-            if base in state.settings.base_models:
-                target = Target(model_id=model_id, base_model=base, adapter_path=row["adapter_path"])
-            else:
-                logger.warning("model %s names base model %s, which is not configured", model_id, base)
-        state.models.put(who.organization_id, model_id, target)
-    if target is None:
-        raise not_found("model", model_id, param=param, code="model_not_found")
-    return target
-
-
-def invalidate(state: ServingState, model_id: str) -> None:
-    """Forget cached lookups of `model_id` (call when a model is deleted)."""
-    state.models.invalidate(model_id)
-
-
-async def _with_state(res_or_state: Resources | ServingState | Settings) -> tuple[ServingState, bool]:
-    if isinstance(res_or_state, ServingState):
-        return res_or_state, False
-    if isinstance(res_or_state, Resources):
-        return serving_state(res_or_state), False
-    return ServingState(res_or_state), True
-
-
-async def load_adapter_everywhere(
-    res_or_state: Resources | ServingState | Settings, model_id: str, base_model: str, path: str
-) -> dict[str, str | None]:
-    """Load adapter `model_id` (directory `path`) onto every engine of `base_model`.
-
-    Returns `{engine url: None if loaded, else the reason}`; never raises for an engine that is down or
-    refuses (requests load lazily on a miss anyway). Given `Settings`, a client is made and closed here.
-    """
-    state, owned = await _with_state(res_or_state)
-    target = Target(model_id=model_id, base_model=base_model, adapter_path=path)
-    out: dict[str, str | None] = {}
-    try:
-        pool = state.pools.get(base_model)
-        ups = pool.upstreams if pool is not None else []
-
-        async def one(up: Upstream) -> None:
-            try:
-                await state.ensure_loaded(up, target)
-                out[up.url] = None
-            except (httpx.HTTPError, APIError) as exc:
-                out[up.url] = str(exc) or type(exc).__name__
-                logger.warning("could not load %s on %s: %s", model_id, up.url, out[up.url])
-
-        await asyncio.gather(*(one(u) for u in ups))
-    finally:
-        if owned:
-            await state.aclose()
-    return out
-
-
-async def unload_adapter_everywhere(
-    res_or_state: Resources | ServingState | Settings, model_id: str, base_model: str | None = None
-) -> dict[str, str | None]:
-    """Unload adapter `model_id` from every engine (of `base_model`, or of every base model)."""
-    state, owned = await _with_state(res_or_state)
-    invalidate(state, model_id)
-    out: dict[str, str | None] = {}
-    try:
-        pools = [state.pools[base_model]] if base_model in state.pools else list(state.pools.values())
-
-        async def one(up: Upstream) -> None:
-            try:
-                await state.unload(up, model_id)
-                out[up.url] = None
-            except httpx.HTTPError as exc:
-                out[up.url] = str(exc) or type(exc).__name__
-                logger.warning("could not unload %s from %s: %s", model_id, up.url, out[up.url])
-
-        await asyncio.gather(*(one(u) for p in pools for u in p.upstreams))
-    finally:
-        if owned:
-            await state.aclose()
-    return out
+async def forget_model(res: Resources, model_id: str, base_model: str) -> None:
+    """A deleted model stops answering at once on this gateway (cache dropped) and leaves the engines."""
+    res.models.invalidate(model_id)
+    await res.engines.unload_everywhere(model_id, base_model)
 
 
 # ---------------------------------------------------------------------------------------------- proxy
@@ -156,9 +54,7 @@ def _is_unknown_model(status: int, raw: bytes) -> bool:
     return status == 404 and b"model" in raw[:2000].lower()
 
 
-async def _open(
-    state: ServingState, path: str, target: Target, body: bytes
-) -> tuple[Upstream, UpstreamResponse]:
+async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple[Upstream, UpstreamResponse]:
     """Send the request to the best engine; the next one when an engine cannot be reached.
 
     Returns the engine (its `in_flight` counting this request until the caller lowers it) and its response,
@@ -167,12 +63,12 @@ async def _open(
     """
     adapter = target.model_id if target.adapter_path is not None else None
     last: Exception | None = None
-    for up in state.pool_for(target.base_model).candidates(adapter):
+    for up in res.engines.pool_for(target.base_model).candidates(adapter):
         for attempt in range(2):
             up.in_flight += 1
             try:
                 if adapter is not None and adapter not in up.loaded:
-                    await state.ensure_loaded(up, target)
+                    await res.engines.ensure_loaded(up, target)
                 resp = await up.http.post(path, body)
             except (UpstreamUnreachable, httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 up.in_flight -= 1
@@ -210,19 +106,15 @@ async def _open(
     )
 
 
-async def _admit(
-    state: ServingState, who: Principal, proxy: ProxyRequest, target: Target
-) -> Admission | None:
+async def _admit(res: Resources, who: Principal, proxy: ProxyRequest, target: Target) -> Admission | None:
     """Rate limits and budget before the upstream call (429 when over); None when nothing is enforced."""
-    if state.guard is None:
-        return None
     prompt = estimate_prompt_tokens(proxy.body)
-    most = requested_max_tokens(proxy.body, state.settings.budget_default_max_tokens)
-    return await state.guard.admit(who.organization_id, who.api_key_id, target.base_model, prompt, most)
+    most = requested_max_tokens(proxy.body, res.settings.budget_default_max_tokens)
+    return await res.guard.admit(who.organization_id, who.api_key_id, target.base_model, prompt, most)
 
 
 def _meter(
-    state: ServingState,
+    res: Resources,
     who: Principal,
     proxy: ProxyRequest,
     target: Target,
@@ -234,7 +126,7 @@ def _meter(
 ) -> None:
     """After the answer: one usage row (batched, off the request path) and the guard settled, both in memory
     (nothing awaited, so a `finally` of a cancelled request runs it whole)."""
-    rec = state.usage.record(
+    rec = res.usage.record(
         who.organization_id,
         who.api_key_id,
         proxy.model,
@@ -243,8 +135,8 @@ def _meter(
         started=started,
         status=status,
     )
-    if admission is not None and state.guard is not None:
-        state.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
+    if admission is not None:
+        res.guard.settle(admission, rec.prompt_tokens, rec.completion_tokens)
 
 
 def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -254,14 +146,14 @@ def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> l
 
 
 async def complete(
-    state: ServingState, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+    res: Resources, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
 ) -> None:
     """A non-streamed completion, sent on `send`: the engine's JSON with `model` rewritten."""
     started = time.time()
-    admission = await _admit(state, who, proxy, target)
+    admission = await _admit(res, who, proxy, target)
     status, usage = 499, None
     try:
-        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model))
+        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model))
         try:
             raw = await resp.read()
         except UpstreamBroken as exc:
@@ -279,7 +171,7 @@ async def complete(
         status = exc.status
         raise
     finally:
-        _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+        _meter(res, who, proxy, target, admission, usage, started=started, status=status)
 
 
 SSE_HEADERS = [
@@ -290,19 +182,19 @@ SSE_HEADERS = [
 
 
 async def stream(
-    state: ServingState, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+    res: Resources, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
 ) -> None:
     """A streamed completion, sent on `send`: the first upstream chunk is read before the 200 is committed.
 
     Events are rewritten line by line but sent one upstream chunk at a time (one write per chunk).
     """
     started = time.time()
-    admission = await _admit(state, who, proxy, target)
+    admission = await _admit(res, who, proxy, target)
     try:
-        up, resp = await _open(state, path, target, proxy.upstream_body(target.engine_model))
+        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model))
     except BaseException as exc:
         status = exc.status if isinstance(exc, APIError) else 499
-        _meter(state, who, proxy, target, admission, None, started=started, status=status)
+        _meter(res, who, proxy, target, admission, None, started=started, status=status)
         raise
     rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
     pieces = resp.chunks()
@@ -311,7 +203,7 @@ async def stream(
     except BaseException as exc:
         up.in_flight -= 1
         await resp.aclose()
-        _meter(state, who, proxy, target, admission, None, started=started, status=503)
+        _meter(res, who, proxy, target, admission, None, started=started, status=503)
         if isinstance(exc, UpstreamBroken):
             raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
         raise
@@ -367,7 +259,7 @@ async def stream(
             # No usage chunk (the client left early or the stream broke): bill what was sent, about
             # one token per chunk, and the estimated prompt.
             usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
-        _meter(state, who, proxy, target, admission, usage, started=started, status=status)
+        _meter(res, who, proxy, target, admission, usage, started=started, status=status)
     await send(
         {
             "type": "http.response.body",

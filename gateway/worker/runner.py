@@ -35,7 +35,7 @@ from gateway.jobs import store as jobs_store
 from gateway.limits.buckets import Buckets
 from gateway.models import store as models_store
 from gateway.queue import enqueue
-from gateway.serving.service import load_adapter_everywhere
+from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.worker import store
 from gateway.worker.job.ingest import Ingest, Progress
@@ -169,7 +169,8 @@ class JobRun:
             self.blobs.put_tree, Path(event.adapter_path), f"adapters/{self.org_id}/{self.job_id}"
         )
         # Serve the new model before the job reports success: every engine of the base model loads it now.
-        loaded = await load_adapter_everywhere(self.settings, model, self.job["model"], str(adapter))
+        async with AdapterLoader(self.settings) as loader:
+            loaded = await loader.load_everywhere(model, self.job["model"], str(adapter))
         for upstream, problem in loaded.items():
             if problem:
                 logger.warning(

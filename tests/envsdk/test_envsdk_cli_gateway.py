@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.support.data import BASE
-from tests.support.engine import serving_state
+from tests.support.engine import resources_of
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import GatewayServer, Tenant, admin_of
 
@@ -61,7 +61,7 @@ def envsdk_test(gateway: GatewayServer, org: Tenant, package: str, *args: str) -
 
 def completion_tokens(gateway: GatewayServer, org: Tenant) -> int:
     return sum(
-        r.completion_tokens for r in serving_state(gateway).usage.records if r.organization_id == org.org_id
+        r.completion_tokens for r in resources_of(gateway).usage.records if r.organization_id == org.org_id
     )
 
 
@@ -76,7 +76,7 @@ def test_envsdk_test_plays_single_turn_tasks_through_the_gateway(gateway: Gatewa
     assert summary == {"episodes": 6, "errors": 0, "mean_reward": pytest.approx(sum(rewards) / 6)}
     # every completion was a metered request of this organisation's key through the gateway
     assert completion_tokens(gateway, org) > 0
-    records = [r for r in serving_state(gateway).usage.records if r.organization_id == org.org_id]
+    records = [r for r in resources_of(gateway).usage.records if r.organization_id == org.org_id]
     assert len(records) == 6 and {r.api_key_id for r in records} == {org.key_id}
 
 
@@ -90,7 +90,7 @@ def test_envsdk_test_plays_multi_turn_and_tool_episodes_through_the_gateway(
         assert episode["stop_reason"] in ("done", "max_turns") and 0.0 <= episode["reward"] <= 1.0
         assert episode["tool_calls"] == 0
     played = sum(e["turns"] for e in episodes)
-    assert len([r for r in serving_state(gateway).usage.records if r.organization_id == org.org_id]) == played
+    assert len([r for r in resources_of(gateway).usage.records if r.organization_id == org.org_id]) == played
 
     forced = json.dumps({"force_first_tool_call": True})
     *episodes, summary = envsdk_test(gateway, org, "calculator", "--n", "2", "--config", forced, "--verbose")

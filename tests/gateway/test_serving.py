@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.support.data import BASE, MESSAGES
-from tests.support.engine import EngineServer, make_lora_adapter, register_model, serving_state
+from tests.support.engine import EngineServer, make_lora_adapter, register_model, resources_of
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, free_port, start_gateway
 
@@ -63,10 +63,10 @@ def test_chat_non_stream_rewrites_model_and_records_usage(org: Tenant, gw: Gatew
     assert resp.model == BASE and resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
     assert resp.usage is not None and 0 < resp.usage.completion_tokens <= 8
-    records = [r for r in serving_state(gw).usage.records if r.organization_id == org.org_id]
+    records = [r for r in resources_of(gw).usage.records if r.organization_id == org.org_id]
     assert records and records[-1].completion_tokens == resp.usage.completion_tokens
     assert records[-1].api_key_id == org.key_id and records[-1].model == BASE
-    buffer = serving_state(gw).usage
+    buffer = resources_of(gw).usage
     text = httpx.get(f"{gw.url}/metrics").text
     counts = {
         line.split()[0]: float(line.split()[1])
@@ -206,8 +206,8 @@ def test_concurrent_first_requests_load_once(
 ) -> None:
     model = _ft_id(org)
     register_model(database, org.org_id, model, adapters[0])
-    state = serving_state(gw)
-    before = state.load_count
+    engines = resources_of(gw).engines
+    before = engines.load_count
 
     def ask(_: int) -> str:
         r = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0)
@@ -215,7 +215,7 @@ def test_concurrent_first_requests_load_once(
 
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(ask, range(6))) == [model] * 6
-    assert state.load_count - before == 1
+    assert engines.load_count - before == 1
     assert model in engine.models()
 
 
@@ -264,22 +264,27 @@ def test_adapter_lost_by_the_engine_is_reloaded(
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
     with httpx.Client(trust_env=False) as http:  # behind the gateway's back, as an engine restart would
         assert http.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": model}).status_code == 200
-    before = serving_state(gw).load_count
+    before = resources_of(gw).engines.load_count
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
-    assert serving_state(gw).load_count == before + 1 and model in engine.models()
+    assert resources_of(gw).engines.load_count == before + 1 and model in engine.models()
 
 
 def test_worker_hook_loads_and_unloads_everywhere(
     org: Tenant, gw: GatewayServer, engine: EngineServer, adapters: list[str]
 ) -> None:
-    from gateway.serving.service import load_adapter_everywhere, unload_adapter_everywhere
+    from gateway.serving.engines import AdapterLoader
 
     model = _ft_id(org)
-    loaded = asyncio.run(load_adapter_everywhere(gw.settings, model, BASE, adapters[1]))
-    assert loaded == {engine.url: None} and model in engine.models()
-    again = asyncio.run(load_adapter_everywhere(gw.settings, model, BASE, adapters[1]))  # "already loaded"
-    assert again == {engine.url: None}
-    assert asyncio.run(unload_adapter_everywhere(gw.settings, model, BASE)) == {engine.url: None}
+
+    async def hook() -> None:
+        async with AdapterLoader(gw.settings) as loader:
+            assert await loader.load_everywhere(model, BASE, adapters[1]) == {engine.url: None}
+            assert model in engine.models()
+            again = await loader.load_everywhere(model, BASE, adapters[1])  # "already loaded"
+            assert again == {engine.url: None}
+            assert await loader.unload_everywhere(model, BASE) == {engine.url: None}
+
+    asyncio.run(hook())
     assert model not in engine.models()
 
 
@@ -330,7 +335,7 @@ def test_bad_body_is_a_400(org: Tenant, gw: GatewayServer) -> None:
 
 
 def test_engine_choice_spreads_load_and_keeps_adapters_where_loaded() -> None:
-    from gateway.serving.upstreams import UpstreamPool
+    from gateway.serving.engines import UpstreamPool
 
     pool = UpstreamPool(BASE, ["http://a", "http://b", "http://c"])
     firsts = {pool.candidates(None)[0].url for _ in range(3)}

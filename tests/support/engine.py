@@ -11,7 +11,7 @@ import asyncpg
 import httpx
 import uvicorn
 
-from gateway.serving.upstreams import ServingState
+from gateway.deps import Resources
 from tests.support.stack import GatewayServer
 from tunegate.processes import ServerThread, free_port
 
@@ -108,8 +108,8 @@ def register_model(
     asyncio.run(run())
 
 
-def serving_state(gateway: GatewayServer) -> ServingState:
-    """The running gateway's serving state (upstream pools, usage, load counts)."""
-    state = gateway.app.state.resources.serving
-    assert isinstance(state, ServingState)
-    return state
+def resources_of(gateway: GatewayServer) -> Resources:
+    """The running gateway's resources (engines and their adapter loads, the usage buffer, the guard)."""
+    res = gateway.app.state.resources
+    assert isinstance(res, Resources)
+    return res

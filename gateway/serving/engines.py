@@ -1,0 +1,254 @@
+"""The inference engines of every base model: which engine serves a request, and adapters on engines.
+
+Routing: each base model has one or more engine base URLs. A request for an adapter goes to an engine that
+already holds it (least in-flight among those); otherwise, and for base-model requests, to the engine with
+the fewest requests in flight, ties broken round robin. An engine that refused a connection is tried last
+for a few seconds.
+
+Adapters go onto engines through vLLM's runtime LoRA endpoints (`AdapterLoader`, one httpx client). The
+gateway's `Engines` remembers which engine holds which adapter and makes concurrent loads of one adapter on
+one engine a single load; the worker, which serves nothing, uses an `AdapterLoader` on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from gateway.errors import APIError, ServiceUnavailable
+from gateway.serving.engine_client import EngineClient, make_client
+from gateway.settings import Settings
+from gateway.singleflight import SingleFlight
+
+logger = logging.getLogger(__name__)
+
+DOWN_FOR_S = 5.0
+DEFAULT_CONTEXT_LENGTH = 1_048_576
+"""Context length of a base model with no `context_length` setting whose `config.json` the gateway cannot
+read (the engines live elsewhere): generous, so only absurd `max_tokens` values are refused for it."""
+
+
+def read_context_length(settings: Settings, base_model: str) -> int:
+    """The context length of a base model: its `context_length` setting, else the `max_position_embeddings`
+    of its `config.json`, else `DEFAULT_CONTEXT_LENGTH`."""
+    entry = settings.base_models[base_model]
+    if entry.context_length is not None:
+        return entry.context_length
+    try:
+        config = json.loads((settings.base_model_path(base_model) / "config.json").read_text())
+        value = config.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        value = None
+    return value if type(value) is int and value > 0 else DEFAULT_CONTEXT_LENGTH
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a requested model id is served as."""
+
+    model_id: str
+    """The id the client asked for (and sees in answers)."""
+    base_model: str
+    """The base model whose engines serve it."""
+    adapter_path: str | None = None
+    """The LoRA adapter directory, or None for a base model."""
+
+    @property
+    def engine_model(self) -> str:
+        """The name the engine knows: the base model's, or the adapter's (the model id itself)."""
+        return self.base_model if self.adapter_path is None else self.model_id
+
+
+class AdapterLoadFailed(APIError):
+    status = 500
+    type = "server_error"
+    default_code = "adapter_load_failed"
+
+
+class AdapterLoader:
+    """Loads and unloads LoRA adapters on engines, by URL, over one pooled httpx client."""
+
+    def __init__(self, settings: Settings, client: httpx.AsyncClient | None = None) -> None:
+        self.urls = {
+            name: [u.rstrip("/") for u in cfg.upstreams] for name, cfg in settings.base_models.items()
+        }
+        """Engine base URLs (without `/v1`) of each base model."""
+        self.client = client if client is not None else make_client()
+        self.load_count = 0
+        """Adapter loads actually sent to engines."""
+
+    async def load(self, url: str, target: Target) -> None:
+        """Load `target`'s adapter on the engine at `url` ("already loaded" counts as done).
+
+        Raises `httpx.HTTPError` when the engine cannot be reached, `AdapterLoadFailed` when it refuses.
+        """
+        assert target.adapter_path is not None
+        self.load_count += 1
+        t0 = time.perf_counter()
+        resp = await self.client.post(
+            f"{url}/v1/load_lora_adapter",
+            json={
+                "lora_name": target.model_id,
+                "lora_path": target.adapter_path,
+                "base_model_name": target.base_model,
+            },
+        )
+        if resp.status_code == 200 or (resp.status_code == 400 and "already" in resp.text.lower()):
+            logger.info("adapter %s on %s ready in %.2fs", target.model_id, url, time.perf_counter() - t0)
+            return
+        logger.warning("engine %s refused adapter %s: %s", url, target.model_id, resp.text[:300])
+        raise AdapterLoadFailed(f"The inference engine could not load model '{target.model_id}'.")
+
+    async def unload(self, url: str, model_id: str) -> None:
+        """Unload `model_id` from the engine at `url` (unknown there counts as done)."""
+        resp = await self.client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": model_id})
+        if resp.status_code not in (200, 404):
+            logger.warning("engine %s could not unload %s: %s", url, model_id, resp.text[:300])
+
+    async def load_everywhere(self, model_id: str, base_model: str, path: str) -> dict[str, str | None]:
+        """Load adapter `model_id` (directory `path`) onto every engine of `base_model`.
+
+        Returns `{engine url: None if loaded, else the reason}`; never raises for an engine that is down or
+        refuses (requests load lazily on a miss anyway).
+        """
+        target = Target(model_id=model_id, base_model=base_model, adapter_path=path)
+        return await _everywhere(self.urls.get(base_model, []), lambda url: self.load(url, target), model_id)
+
+    async def unload_everywhere(self, model_id: str, base_model: str | None = None) -> dict[str, str | None]:
+        """Unload adapter `model_id` from every engine (of `base_model`, or of every base model)."""
+        urls = (
+            self.urls[base_model] if base_model in self.urls else [u for us in self.urls.values() for u in us]
+        )
+        return await _everywhere(urls, lambda url: self.unload(url, model_id), model_id)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def __aenter__(self) -> AdapterLoader:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def _everywhere(
+    urls: list[str], action: Callable[[str], Awaitable[None]], model_id: str
+) -> dict[str, str | None]:
+    """`action` on every engine at once: `{url: None if done, else the reason}`."""
+    out: dict[str, str | None] = {}
+
+    async def one(url: str) -> None:
+        try:
+            await action(url)
+            out[url] = None
+        except (httpx.HTTPError, APIError) as exc:
+            out[url] = str(exc) or type(exc).__name__
+            logger.warning("adapter %s on %s: %s", model_id, url, out[url])
+
+    await asyncio.gather(*(one(u) for u in urls))
+    return out
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One engine base URL (without `/v1`)."""
+
+    url: str
+    in_flight: int = 0
+    loaded: set[str] = field(default_factory=set)
+    """Adapters this gateway knows the engine holds (loaded by it, or found loaded already)."""
+    down_until: float = 0.0
+    http: EngineClient = field(init=False, repr=False)
+    """The keep-alive connections proxied requests use."""
+
+    def __post_init__(self) -> None:
+        self.http = EngineClient(self.url)
+
+    def mark_down(self) -> None:
+        self.down_until = time.monotonic() + DOWN_FOR_S
+
+
+class UpstreamPool:
+    """The engines serving one base model."""
+
+    def __init__(self, base_model: str, urls: list[str]) -> None:
+        self.base_model = base_model
+        self.upstreams = [Upstream(u) for u in urls]
+        self._turn = itertools.count()
+
+    def candidates(self, adapter: str | None) -> list[Upstream]:
+        """Engines in the order to try them for a request (for `adapter`, or the base model when None)."""
+        n = len(self.upstreams)
+        if n == 0:
+            return []
+        start = next(self._turn) % n
+        rotated = self.upstreams[start:] + self.upstreams[:start]
+        now = time.monotonic()
+        return sorted(
+            rotated,
+            key=lambda u: (u.down_until > now, adapter is not None and adapter not in u.loaded, u.in_flight),
+        )
+
+
+class Engines:
+    """The gateway's engines: one `UpstreamPool` per base model, the adapters each holds, context lengths.
+    Made in the lifespan, closed with `aclose()`."""
+
+    def __init__(self, settings: Settings, loader: AdapterLoader | None = None) -> None:
+        self.settings = settings
+        self.loader = loader if loader is not None else AdapterLoader(settings)
+        self.pools = {name: UpstreamPool(name, urls) for name, urls in self.loader.urls.items()}
+        self._loads: SingleFlight[tuple[str, str], None] = SingleFlight()
+        self._context: dict[str, int] = {}
+
+    @property
+    def load_count(self) -> int:
+        """Adapter loads actually sent to engines (single-flight makes concurrent misses one load)."""
+        return self.loader.load_count
+
+    def context_length(self, base_model: str) -> int:
+        """Most tokens a request to `base_model` may ask for (`read_context_length`, read once)."""
+        known = self._context.get(base_model)
+        if known is None:
+            known = self._context[base_model] = read_context_length(self.settings, base_model)
+        return known
+
+    def pool_for(self, base_model: str) -> UpstreamPool:
+        pool = self.pools.get(base_model)
+        if pool is None or not pool.upstreams:
+            raise ServiceUnavailable(f"No inference engine is configured for model '{base_model}'.")
+        return pool
+
+    async def ensure_loaded(self, upstream: Upstream, target: Target) -> None:
+        """Make sure `upstream` holds the adapter of `target`: one load per (engine, adapter) at a time.
+
+        Raises `httpx.TransportError` when the engine cannot be reached, `AdapterLoadFailed` when it refuses.
+        """
+        if target.adapter_path is None or target.model_id in upstream.loaded:
+            return
+
+        async def load() -> None:
+            await self.loader.load(upstream.url, target)
+            upstream.loaded.add(target.model_id)
+
+        await self._loads.run((upstream.url, target.model_id), load)
+
+    async def unload_everywhere(self, model_id: str, base_model: str | None = None) -> dict[str, str | None]:
+        """Unload `model_id` from every engine (of `base_model`, or of all), forgetting it here first."""
+        for pool in self.pools.values():
+            for up in pool.upstreams:
+                up.loaded.discard(model_id)
+        return await self.loader.unload_everywhere(model_id, base_model)
+
+    async def aclose(self) -> None:
+        await self.loader.aclose()
+        for pool in self.pools.values():
+            for up in pool.upstreams:
+                await up.http.aclose()
