@@ -153,7 +153,18 @@ class Settings(BaseSettings):
     """Log level of every process."""
 
     training_slots: int = 1
-    """Jobs one worker trains at once (one per GPU; 1 on a CPU machine)."""
+    """With `devices` auto on a machine without GPUs: the CPU processes (devices) one worker trains on."""
+    devices: str = "auto"
+    """The devices a worker owns: `auto` (every GPU `nvidia-smi` lists, else `training_slots` CPU processes),
+    GPU indices (`0,1,2,3`) or `cpu:N`. A job takes `gpus` of them (its hyperparameter) while it trains."""
+    use_vllm: bool = False
+    """Reinforcement jobs on GPUs generate with vLLM (the `gpu` extra) instead of Transformers."""
+    vllm_server_gpus: int = Field(default=0, ge=0)
+    """With `use_vllm`: 0 runs vLLM inside the trainer, on its devices (colocate); N > 0 gives each
+    reinforcement job N more devices on which the worker runs `trl vllm-serve` for its generation (server)."""
+    collective_timeout_s: float = Field(default=1800.0, gt=0)
+    """A job on several devices fails when one rank waits this long on the others (a lost rank never hangs
+    a job)."""
     heartbeat_interval_s: float = 1.0
     """How often a worker proves it is alive and checks for cancel/pause of its jobs."""
     stale_after_s: float = 30.0

@@ -24,7 +24,9 @@ def _run(spec_path: str) -> int:
     # Nothing may be downloaded at run time; quiet the tokenizers fork warning.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    events = EventWriter.claim_stdout()
+    from trainer.distributed import is_main
+
+    events = EventWriter.claim_stdout(reports=is_main())
     stop_requested = threading.Event()
 
     def on_sigterm(signum: int, frame: object) -> None:

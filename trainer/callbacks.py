@@ -20,6 +20,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from trainer.distributed import anyone
 from trainer.evaluation import Validator
 from trainer.events import EventWriter
 
@@ -102,7 +103,7 @@ class EventCallback(TrainerCallback):
             self.events.metrics(0, state.max_steps, data)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.stop_requested.is_set() and self.stopped_at is None:
+        if anyone(self.stop_requested.is_set()) and self.stopped_at is None:  # all ranks stop at one step
             self.stopped_at = state.global_step
             control.should_log = True
             control.should_save = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import threading
 from typing import Any, Literal, TextIO
@@ -53,9 +54,10 @@ class EventWriter:
         self._lock = threading.Lock()
 
     @classmethod
-    def claim_stdout(cls) -> EventWriter:
-        """Take the process's stdout for events and send any other stdout writes to stderr."""
-        writer = cls(sys.stdout)
+    def claim_stdout(cls, *, reports: bool = True) -> EventWriter:
+        """Take the process's stdout for events and send any other stdout writes to stderr. A process that
+        does not report (a rank other than 0 of a job on several devices) writes its events nowhere."""
+        writer = cls(sys.stdout if reports else open(os.devnull, "w"))  # noqa: SIM115 - lives with the process
         sys.stdout = sys.stderr
         return writer
 

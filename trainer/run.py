@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainer.distributed import is_main, world_size
 from trainer.errors import TrainerError
 from trainer.events import EventWriter
 from trainer.spec import (
@@ -106,6 +108,7 @@ def _common_args(spec: TrainerSpec, on_cuda: bool) -> dict[str, Any]:
         "gradient_checkpointing": False,
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
+        "ddp_timeout": math.ceil(spec.collective_timeout_s),
     }
 
 
@@ -167,8 +170,8 @@ def _build_trainer(
 
         sft_config = SFTConfig(
             **args,
-            per_device_train_batch_size=hp.batch_size,
-            per_device_eval_batch_size=hp.batch_size,
+            per_device_train_batch_size=hp.batch_size // world_size(),
+            per_device_eval_batch_size=hp.batch_size // world_size(),
             max_length=hp.max_length,
             assistant_only_loss=True,
         )
@@ -184,8 +187,8 @@ def _build_trainer(
 
         dpo_config = DPOConfig(
             **args,
-            per_device_train_batch_size=hp.batch_size,
-            per_device_eval_batch_size=hp.batch_size,
+            per_device_train_batch_size=hp.batch_size // world_size(),
+            per_device_eval_batch_size=hp.batch_size // world_size(),
             beta=hp.beta,
             max_length=hp.max_length,
         )
@@ -199,12 +202,23 @@ def _build_trainer(
     from trl import GRPOConfig, GRPOTrainer
 
     assert isinstance(hp, ReinforcementHyperparameters)
-    vllm: dict[str, Any] = {"use_vllm": True, "vllm_mode": "colocate"} if (spec.use_vllm and on_cuda) else {}
+    vllm: dict[str, Any] = {}
+    if spec.use_vllm and on_cuda:
+        vllm = {"use_vllm": True, "vllm_mode": "colocate"}
+        if spec.vllm_server is not None:  # generation on devices of its own, weights synced each step
+            host, _, port = spec.vllm_server.rpartition(":")
+            vllm = {
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "vllm_server_host": host,
+                "vllm_server_port": int(port),
+            }
     grpo_config = GRPOConfig(
         **args,
         **vllm,
-        # One step = batch_size prompts x num_generations completions, all in one optimiser step.
-        per_device_train_batch_size=hp.batch_size * hp.num_generations,
+        # One step = batch_size prompts x num_generations completions, all in one optimiser step, split
+        # evenly across the devices.
+        per_device_train_batch_size=hp.batch_size * hp.num_generations // world_size(),
         num_generations=hp.num_generations,
         max_completion_length=hp.max_completion_length,
         temperature=hp.temperature,
@@ -335,7 +349,13 @@ def _train(
     callback.announce_best()
     events.message("Saving adapter", step=step)
     adapter_dir = spec.adapter_dir
-    trainer.model.save_pretrained(str(adapter_dir))
+    # Sharded (FSDP) weights are gathered by every rank together; rank 0 writes the adapter.
+    state_dict = (
+        trainer.accelerator.get_state_dict(trainer.model_wrapped) if trainer.is_fsdp_enabled else None
+    )
+    if is_main():
+        trainer.model.save_pretrained(str(adapter_dir), state_dict=state_dict)
+    trainer.accelerator.wait_for_everyone()
     metrics = dict(callback.last_metrics)
     if "train_loss" in callback.summary:  # the mean over the whole run, beside the last step's loss
         metrics["train_loss_mean"] = callback.summary["train_loss"]

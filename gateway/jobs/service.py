@@ -37,7 +37,9 @@ from gateway.serving.calls import check_models
 from gateway.tenancy.keys import Principal
 from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
-from trainer.spec import Hyperparameters, total_steps
+from gateway.worker import store as worker_store
+from gateway.worker.devices import generation_devices
+from trainer.spec import Hyperparameters, devices_for, model_defaults, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,26 @@ class JobEvents:
         )
 
 
+async def _check_devices(res: Resources, spec: MethodSpec, model: str) -> None:
+    """A job that needs more devices than any live worker owns is refused now, not left queued for ever.
+    With no worker seen lately nothing is known, and the job waits for one."""
+    given = spec.hyperparameters.model_dump().get("gpus", "auto")
+    gpus = (
+        given if isinstance(given, int) else devices_for(model_defaults(res.settings.base_model_path(model)))
+    )
+    generation = generation_devices(res.settings, spec.type)
+    within = max(60.0, 3.0 * res.settings.requeue_interval_s)
+    largest = await worker_store.largest_worker(res.pool, within_s=within)
+    if largest is not None and gpus + generation > largest:
+        also = f" and {generation} for vLLM generation" if generation else ""
+        raise InvalidRequest(
+            f"This job needs {gpus + generation} devices ({gpus} for training{also}), but the largest "
+            f"worker has {largest}.",
+            param=f"method.{spec.type}.hyperparameters.gpus",
+            code="too_many_devices",
+        )
+
+
 async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[MethodSpec, list[Path]]:
     """Everything a create can be refused for before it is inserted; returns the method and the paths of
     the training (and validation) file. A model a grader calls must be one the organisation may chat with
@@ -196,6 +218,7 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Me
     check_suffix(body.suffix)
     check_metadata(body.metadata)
     spec = normalise_method(body.method, body.hyperparameters)
+    await _check_devices(res, spec, body.model)
     if spec.grader is not None:
         await check_grader(res, org, spec.grader, "method.reinforcement.grader")
         await check_models(res, who, model_fields(spec.grader, param="method.reinforcement.grader"))

@@ -28,6 +28,7 @@ from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import presence, store
+from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
 from gateway.worker.resilience import Worker
 from gateway.worker.runner import JobRun
@@ -43,7 +44,10 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["blobs"] = BlobStore(settings.blob_dir)
     await asyncio.to_thread(remove_stale_dirs)  # sandbox dirs a killed worker left behind
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
-    ctx["slots"] = asyncio.Semaphore(settings.training_slots)
+    await store.announce(
+        ctx["pool"], worker_id=ctx["worker_id"], devices=ctx["devices"].size, kind=_kind(ctx)
+    )
+    ctx["claiming"] = asyncio.Lock()
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
     ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
     ctx["presence"] = asyncio.create_task(
@@ -51,7 +55,14 @@ async def startup(ctx: dict[str, Any]) -> None:
             ctx["redis"], settings.queue_name, ctx["worker_id"], settings.heartbeat_interval_s
         )
     )
-    logger.info("worker %s ready", ctx["worker_id"])
+    logger.info(
+        "worker %s ready with %s", ctx["worker_id"], ", ".join(str(d) for d in ctx["devices"].devices)
+    )
+
+
+def _kind(ctx: dict[str, Any]) -> str:
+    pool: DevicePool = ctx["devices"]
+    return pool.devices[0].kind
 
 
 async def shutdown(ctx: dict[str, Any]) -> None:
@@ -66,17 +77,33 @@ async def shutdown(ctx: dict[str, Any]) -> None:
         await spend.redis.aclose()
     pool: asyncpg.Pool | None = ctx.get("pool")
     if pool is not None:
+        with contextlib.suppress(OSError, asyncpg.PostgresError):
+            await store.leave(pool, worker_id=ctx["worker_id"])
         await pool.close()
 
 
 async def run_job(ctx: dict[str, Any], job_id: str) -> str:
-    """Claim the fairest queued job (usually `job_id`) and train it to the end of its trainer run."""
+    """Claim the fairest queued job (usually `job_id`) that fits this worker's free devices, and train it on
+    them to the end of its trainer run."""
     pool: asyncpg.Pool = ctx["pool"]
     worker_id: str = ctx["worker_id"]
-    async with ctx["slots"]:
-        job = await store.claim(pool, worker_id=worker_id)
-        if job is None:
-            return "nothing to claim"
+    settings: Settings = ctx["settings"]
+    devices: DevicePool = ctx["devices"]
+    while True:
+        await devices.wait_for_free()
+        async with ctx["claiming"]:  # one claim at a time: what is free cannot change under it
+            free = len(devices.free)
+            if not free:
+                continue
+            job = await store.claim(
+                pool, worker_id=worker_id, free=free, generation=generation_devices(settings, "reinforcement")
+            )
+            if job is None:
+                return "nothing to claim"
+            method = job["method"]
+            taken = devices.take(devices_of_job(method) + generation_devices(settings, method["type"]))
+            break
+    try:
         run = JobRun(
             job,
             pool=pool,
@@ -85,8 +112,11 @@ async def run_job(ctx: dict[str, Any], job_id: str) -> str:
             worker_id=worker_id,
             queue=ctx["redis"],
             spend=ctx["spend"],
+            devices=taken,
         )
         return await run.train()
+    finally:
+        await devices.give_back(taken)
 
 
 async def requeue_missed(ctx: dict[str, Any]) -> int:
@@ -137,6 +167,14 @@ async def reap_stale(ctx: dict[str, Any]) -> int:
     return reaped
 
 
+async def announce(ctx: dict[str, Any]) -> None:
+    """Tell the gateways this worker is alive and how many devices it owns (a job larger than every live
+    worker is refused at creation)."""
+    await store.announce(
+        ctx["pool"], worker_id=ctx["worker_id"], devices=ctx["devices"].size, kind=_kind(ctx)
+    )
+
+
 async def bill(ctx: dict[str, Any]) -> dict[str, int]:
     """Aggregate unbilled usage into the outbox and send pending meter events to Stripe."""
     return await run_billing(ctx["pool"], ctx["settings"])
@@ -152,6 +190,7 @@ def _billing_cron(settings: Settings) -> Any:
 def build_worker(settings: Settings) -> Worker:
     """The arq worker for these settings."""
     assert settings.redis_url
+    devices = DevicePool(parse_devices(settings.devices, cpu_slots=settings.training_slots))
     every = max(1, settings.requeue_interval_s)
     seconds = set(range(0, 60, every))
     return Worker(
@@ -161,14 +200,15 @@ def build_worker(settings: Settings) -> Worker:
             cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(requeue_missed_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            cron(announce, second=seconds, unique=False, timeout=60),
             _billing_cron(settings),
         ],
         redis_pool=make_queue(settings.redis_url),
         queue_name=settings.queue_name,
         on_startup=startup,
         on_shutdown=shutdown,
-        ctx={"settings": settings},
-        max_jobs=settings.training_slots + settings.eval_run_slots + 2,  # slots + room for the periodic tasks
+        ctx={"settings": settings, "devices": devices},
+        max_jobs=devices.size + settings.eval_run_slots + 3,  # devices + room for the periodic tasks
         job_timeout=7 * 24 * 3600,
         keep_result=0,
         max_tries=1000,

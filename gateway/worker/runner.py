@@ -18,6 +18,7 @@ attempt resumes from the last one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import hashlib
 import io
@@ -38,6 +39,8 @@ from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.worker import store
+from gateway.worker.devices import Device, cpu_devices, generation_devices, strategy
+from gateway.worker.job.generation import generation_server
 from gateway.worker.job.ingest import Ingest, Progress
 from gateway.worker.job.metering import Meter
 from gateway.worker.job.process import RunOutcome, TrainerProcess
@@ -61,6 +64,7 @@ class JobRun:
         worker_id: str,
         queue: ArqRedis | None,
         spend: Buckets | None = None,
+        devices: list[Device] | None = None,
     ) -> None:
         self.job = job
         self.job_id: str = job["id"]
@@ -71,6 +75,12 @@ class JobRun:
         self.worker_id = worker_id
         self.queue = queue
         self.workdir = settings.data_dir / "work" / self.job_id
+        devices = devices or cpu_devices(1)
+        extra = generation_devices(settings, job["method"]["type"])
+        self.devices = devices[: len(devices) - extra] if extra else devices
+        """The trainer's devices (one process each)."""
+        self.generation = devices[len(devices) - extra :] if extra else []
+        """A reinforcement job's devices for its vLLM generation server (server mode)."""
         self.progress = Progress(step=job["current_step"], start_step=job["current_step"] or 0)
         self.ingest = Ingest(job, pool=pool, blobs=blobs, progress=self.progress)
         self.meter = Meter(
@@ -84,6 +94,7 @@ class JobRun:
             worker_id=worker_id,
             progress=self.progress,
             on_running=self._on_running,
+            devices=self.devices,
         )
 
     async def train(self) -> str:
@@ -97,11 +108,31 @@ class JobRun:
             + (f", resuming from step {job['current_step']}" if job["last_checkpoint"] else ""),
             dedup_key=f"started:{job['attempts']}",
         )
+        await jobs_store.add_event(
+            self.pool,
+            job_id=self.job_id,
+            org_id=self.org_id,
+            message=self._placement(),
+            dedup_key=f"devices:{job['attempts']}",
+            data={"worker": self.worker_id, "devices": [str(d) for d in self.devices + self.generation]},
+        )
         try:
-            spec = await write_spec(
-                job, workdir=self.workdir, pool=self.pool, blobs=self.blobs, settings=self.settings
-            )
-            outcome = await self.process.run(spec, with_key=calls_models(job), record=self.ingest.record)
+            async with contextlib.AsyncExitStack() as stack:
+                server = None
+                if self.generation and self.devices[0].kind == "cuda":
+                    base = str(self.settings.base_model_path(job["model"]))
+                    server = await stack.enter_async_context(
+                        generation_server(self.generation, base, self.workdir)
+                    )
+                spec = await write_spec(
+                    job,
+                    workdir=self.workdir,
+                    pool=self.pool,
+                    blobs=self.blobs,
+                    settings=self.settings,
+                    vllm_server=server,
+                )
+                outcome = await self.process.run(spec, with_key=calls_models(job), record=self.ingest.record)
         except asyncio.CancelledError:
             # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
             await asyncio.shield(self._hand_back())
@@ -117,6 +148,16 @@ class JobRun:
             on_retry=self.meter.forget_usage,  # the transaction that wrote the usage row was rolled back
         )
         return await asyncio.shield(finishing)
+
+    def _placement(self) -> str:
+        """The job's devices, in words (an event of each attempt)."""
+        how = {"single": "", "ddp": ", data-parallel (DDP)", "fsdp": ", sharded (FSDP)"}[
+            strategy(len(self.devices), self.process.parameters)
+        ]
+        text = f"Training on {len(self.devices)} device(s) ({', '.join(map(str, self.devices))}){how}"
+        if self.generation:
+            text += f"; generating with vLLM on {', '.join(map(str, self.generation))}"
+        return text
 
     async def _on_running(self) -> None:
         """Each heartbeat of a running job: pause it, and stop its trainer, when it reached the budget."""

@@ -20,6 +20,9 @@ CLAIM = """
 WITH candidate AS (
     SELECT j.id FROM fine_tuning_jobs j
     WHERE j.status = 'queued' AND j.worker_id IS NULL
+      -- only a job whose devices (and a reinforcement job's generation devices) are free here
+      AND coalesce((j.method #>> ARRAY[j.method->>'type', 'hyperparameters', 'gpus'])::int, 1)
+          + CASE WHEN j.method->>'type' = 'reinforcement' THEN $3::int ELSE 0 END <= $2
     ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
               WHERE r.organization_id = j.organization_id AND r.status = 'running'),
              (SELECT max(r.started_at) FROM fine_tuning_jobs r
@@ -92,8 +95,32 @@ INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
 
 
-async def claim(conn: Conn, *, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(CLAIM, worker_id)
+async def claim(conn: Conn, *, worker_id: str, free: int, generation: int = 0) -> asyncpg.Record | None:
+    """The fairest queued job that fits `free` devices (a reinforcement job takes `generation` more)."""
+    return await conn.fetchrow(CLAIM, worker_id, free, generation)
+
+
+ANNOUNCE = """
+INSERT INTO workers (id, devices, device_kind) VALUES ($1, $2, $3)
+ON CONFLICT (id) DO UPDATE
+SET devices = EXCLUDED.devices, device_kind = EXCLUDED.device_kind, seen_at = now()"""
+LEAVE = "DELETE FROM workers WHERE id = $1"
+LARGEST = "SELECT max(devices) FROM workers WHERE seen_at > now() - make_interval(secs => $1)"
+
+
+async def announce(conn: Conn, *, worker_id: str, devices: int, kind: str) -> None:
+    """This worker is alive and owns `devices` devices of `kind`."""
+    await conn.execute(ANNOUNCE, worker_id, devices, kind)
+
+
+async def leave(conn: Conn, *, worker_id: str) -> None:
+    await conn.execute(LEAVE, worker_id)
+
+
+async def largest_worker(conn: Conn, *, within_s: float) -> int | None:
+    """The most devices a worker seen in the last `within_s` seconds owns (None: no worker seen)."""
+    value = await conn.fetchval(LARGEST, within_s)
+    return int(value) if value is not None else None
 
 
 async def heartbeat(conn: Conn, *, job_id: str, worker_id: str, step: int | None) -> str | None:

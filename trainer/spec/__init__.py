@@ -27,6 +27,7 @@ from trainer.spec.events import (
 )
 from trainer.spec.hyperparameters import (
     DEFAULTS_FILE,
+    DEVICES_BY_SIZE,
     GENERIC_DEFAULTS,
     HYPERPARAMETERS,
     INFERENCE_KEY_ENV,
@@ -48,6 +49,8 @@ from trainer.spec.hyperparameters import (
     ReinforcementHyperparameters,
     SupervisedHyperparameters,
     base_learning_rate,
+    devices_for,
+    estimate_parameters,
     model_defaults,
     resolve,
     total_steps,
@@ -58,6 +61,9 @@ from trainer.spec.job import (
 )
 
 __all__ = [
+    "DEVICES_BY_SIZE",
+    "devices_for",
+    "estimate_parameters",
     "AnyHyperparameters",
     "Auto",
     "CheckpointEvent",

@@ -64,6 +64,9 @@ class Hyperparameters(_Strict):
     without a validation file)."""
     eval_samples: Annotated[Int, Field(ge=1, le=100_000)] | None = None
     """Validation examples scored at each periodic evaluation; checkpoints score all (auto: up to 64)."""
+    gpus: Annotated[Int, Field(ge=1, le=64)]
+    """Devices the job trains on at once: GPUs, or processes on a machine without them. More than one trains
+    data-parallel, ``batch_size`` split evenly across them (auto: by the base model's size, `devices_for`)."""
 
 
 class SupervisedHyperparameters(Hyperparameters):
@@ -179,6 +182,37 @@ class ModelDefaults:
     """Measured base learning rates per method (from the folder's ``tunegate_defaults.json``)."""
     hyperparameters: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Measured defaults per method (from the folder's ``tunegate_defaults.json``)."""
+    parameters: int = 0
+    """Parameters of the model, estimated from ``config.json`` (0: unknown)."""
+
+
+def estimate_parameters(config: dict[str, Any]) -> int:
+    """A decoder's parameters from its ``config.json``: per layer four square attention matrices (fewer with
+    grouped key/value heads, counted as full: an upper bound) and a gated MLP, plus input and output
+    embeddings. An upper bound, within about 15% for Llama and Qwen models; 0 when the config says too
+    little."""
+    try:
+        hidden = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        vocab = int(config.get("vocab_size") or 0)
+        inner = int(config.get("intermediate_size") or 4 * hidden)
+    except (KeyError, TypeError, ValueError):
+        return 0
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * (4 * hidden * hidden + 3 * hidden * inner) + embeddings
+
+
+DEVICES_BY_SIZE = ((8e9, 1), (20e9, 2), (40e9, 4))
+"""(largest model, devices) in bf16 on 80 GB accelerators for LoRA training: a model up to 8B parameters
+trains on one, up to 20B on two, up to 40B on four, anything larger on eight (docs/training.md)."""
+
+
+def devices_for(model: ModelDefaults) -> int:
+    """The devices a job on ``model`` needs when its ``gpus`` is ``"auto"`` (1 for an unknown size)."""
+    for largest, devices in DEVICES_BY_SIZE:
+        if model.parameters <= largest:
+            return devices
+    return 8
 
 
 @lru_cache(maxsize=64)
@@ -198,6 +232,7 @@ def _read_model_defaults(path: str, mtime_ns: int) -> ModelDefaults:
         family=str(config.get("model_type") or ""),
         learning_rates=dict(measured.get("learning_rates") or {}),
         hyperparameters=dict(measured.get("hyperparameters") or {}),
+        parameters=estimate_parameters(config),
     )
 
 
@@ -266,7 +301,16 @@ def resolve(method: str, given: BaseModel, data: DataSummary, model: ModelDefaul
         for name in ("eval_interval", "eval_samples"):
             if values[name] != "auto":
                 raise ValueError(f"{name}: evaluation needs a validation_file")
-    pick("batch_size", int(defaults.get("batch_size", max(1, min(8, data.rows // 4 or 1)))))
+    pick("gpus", devices_for(model))
+    gpus = values["gpus"]
+    auto_batch = int(defaults.get("batch_size", max(1, min(8, data.rows // 4 or 1))))
+    if method != "reinforcement":  # examples split evenly across the devices
+        auto_batch = math.ceil(auto_batch / gpus) * gpus
+        if values["batch_size"] != "auto" and values["batch_size"] % gpus:
+            raise ValueError(
+                f"batch_size: {values['batch_size']} examples do not split evenly over {gpus} gpus"
+            )
+    pick("batch_size", auto_batch)
     if method == "reinforcement":
         # GRPO steps take whole batches of prompts only: a batch must fit the tasks.
         if given.model_dump()["batch_size"] == "auto":
@@ -278,6 +322,11 @@ def resolve(method: str, given: BaseModel, data: DataSummary, model: ModelDefaul
         pick("compute_multiplier", 1.0)
         gens = round(int(defaults["num_generations"]) * values["compute_multiplier"])
         pick("num_generations", max(2, min(64, gens)))
+        if values["batch_size"] * values["num_generations"] % gpus:
+            raise ValueError(
+                f"gpus: {values['batch_size']} prompts x {values['num_generations']} generations a step do "
+                f"not split evenly over {gpus} gpus"
+            )
         for name in ("max_completion_length", "temperature", "kl_beta"):
             pick(name, defaults[name])
         pick("reasoning_effort", "default")

@@ -53,7 +53,13 @@ class TrainerSpec(BaseModel):
     """Bearer key for ``inference_base_url`` when the environment variable ``INFERENCE_KEY_ENV`` is unset
     (the worker passes the job's key in that variable, not in this file)."""
     use_vllm: bool = False
-    """Reinforcement on CUDA: generate with vLLM (colocated). Ignored on a CPU."""
+    """Reinforcement on CUDA: generate with vLLM. Ignored on a CPU."""
+    vllm_server: str | None = None
+    """Reinforcement with ``use_vllm``: ``host:port`` of a ``trl vllm-serve`` on generation devices of the
+    job's own (server mode); unset: vLLM runs inside the trainer on its devices (colocate mode)."""
+    collective_timeout_s: float = Field(default=1800.0, gt=0)
+    """With more than one device: how long a rank waits on the others in one collective before the run
+    fails, so a lost rank ends the run instead of hanging it."""
     allow_unsandboxed: bool = False
     """Development only: run environment and python-grader code without a sandbox where none works."""
     sandbox_maxima: dict[str, int | float] | None = None

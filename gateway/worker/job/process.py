@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -40,9 +39,10 @@ from pydantic import ValidationError
 from gateway.settings import Settings
 from gateway.tenancy import scoped
 from gateway.worker import store
+from gateway.worker.devices import Device, cpu_devices, free_port, launch
 from gateway.worker.job.ingest import Progress, ProgressEvent
 from gateway.worker.resilience import until_database_answers
-from trainer.spec import EVENT, INFERENCE_KEY_ENV, ErrorEvent, ResultEvent, StoppedEvent
+from trainer.spec import EVENT, INFERENCE_KEY_ENV, ErrorEvent, ResultEvent, StoppedEvent, model_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +83,15 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     return env
 
 
-def _die_with_parent() -> None:
-    """In the trainer child: get SIGKILL when the worker dies, so no orphan trains on."""
+def die_with_parent(cpus: set[int] | None = None) -> None:
+    """In a child of the worker (a trainer, a generation server): get SIGKILL when the worker dies, so no
+    orphan trains on; a session of its own; confined to `cpus` when given."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     os.setsid()
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -116,6 +120,7 @@ class TrainerProcess:
         worker_id: str,
         progress: Progress,
         on_running: Callable[[], Awaitable[None]],
+        devices: list[Device] | None = None,
     ) -> None:
         self.job_id: str = job["id"]
         self.org_id: str = job["organization_id"]
@@ -126,6 +131,9 @@ class TrainerProcess:
         self.progress = progress
         """Its step goes with each heartbeat; its start time is set here."""
         self.on_running = on_running
+        self.devices = devices or cpu_devices(1)
+        """The devices the trainer runs on (one process each)."""
+        self.parameters = model_defaults(settings.base_model_path(job["model"])).parameters
         self.proc: asyncio.subprocess.Process | None = None
         self.stop_reason: str | None = None
         """Why the trainer was asked to stop (a job status, or `worker shutdown`); None while it may run."""
@@ -157,18 +165,15 @@ class TrainerProcess:
         self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
     ) -> RunOutcome:
         stderr_path = self.workdir / "trainer.log"
+        plan = launch(self.devices, str(spec), parameters=self.parameters, port=free_port())
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "trainer",
-                "run",
-                str(spec),
+                *plan.argv,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
-                env=env,
+                env={**env, **plan.env},
                 cwd=str(self.workdir),
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(die_with_parent, plan.cpus),
                 limit=16 * 1024 * 1024,
             )
             self.progress.started_mono = time.monotonic()
@@ -199,7 +204,7 @@ class TrainerProcess:
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat
         if outcome is None:
-            tail = _tail(stderr_path)
+            tail = log_tail(stderr_path)
             message = tail or f"trainer exited with code {self.proc.returncode}"
             outcome = RunOutcome(ErrorEvent(code="trainer_crashed", message=message), tail)
         return outcome
@@ -247,7 +252,7 @@ class TrainerProcess:
                 await self.on_running()
 
 
-def _tail(path: Path, lines: int = 1) -> str:
+def log_tail(path: Path, lines: int = 1) -> str:
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:

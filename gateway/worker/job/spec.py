@@ -35,9 +35,16 @@ def fine_tuned_model_name(job: asyncpg.Record) -> str:
 
 
 async def write_spec(
-    job: asyncpg.Record, *, workdir: Path, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings
+    job: asyncpg.Record,
+    *,
+    workdir: Path,
+    pool: asyncpg.Pool,
+    blobs: BlobStore,
+    settings: Settings,
+    vllm_server: str | None = None,
 ) -> Path:
-    """Make `workdir` (unpacking the environment package there) and write the job's `spec.json` in it."""
+    """Make `workdir` (unpacking the environment package there) and write the job's `spec.json` in it;
+    `vllm_server`: the `host:port` of the job's generation server (vLLM server mode)."""
     org_id: str = job["organization_id"]
 
     async def file_path(file_id: str) -> Path:
@@ -74,6 +81,9 @@ async def write_spec(
             "inference_api_key": None,  # in the trainer's environment, not in this file
             "allow_unsandboxed": settings.allow_unsandboxed_environments,
             "sandbox_maxima": settings.sandbox_maxima().as_dict(),
+            "use_vllm": settings.use_vllm,
+            "vllm_server": vllm_server,
+            "collective_timeout_s": settings.collective_timeout_s,
         }
     )
     return await asyncio.to_thread(_write, settings, workdir, spec, archive)
