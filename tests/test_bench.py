@@ -28,7 +28,7 @@ def _number(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n not in ("training", "stalls")]  # each: its own test below
+    names = [n for n in BENCHES if n not in ("training", "stalls", "distributed")]  # each: its own test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -155,6 +155,16 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
     assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
     assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
     assert "plain TRL" in (tmp_path / "B.md").read_text()
+
+
+def test_distributed_bench_trains_the_same_steps_on_two_processes(tmp_path: Path) -> None:
+    d = run_quick("distributed", tmp_path)
+    assert "error" not in d, d.get("traceback")
+    one, two = d["one_process"], d["two_processes"]
+    assert one["returncode"] == 0 and two["returncode"] == 0, (one["stderr_tail"], two["stderr_tail"])
+    assert d["same_steps"] and len(one["losses"]) == len(two["losses"]) == d["steps"]
+    assert _number(d["max_loss_gap"]) and d["max_loss_gap"] < 0.05  # one curve, within float noise
+    assert _number(d["time_ratio"]) and "two processes" in (tmp_path / "B.md").read_text()
 
 
 def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:
