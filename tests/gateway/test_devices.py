@@ -269,6 +269,27 @@ def test_cancel_stops_every_rank(gw: GatewayServer, pair: WorkerProcess, org: Te
 
 
 @pytest.mark.timeout(600)
+def test_pause_stops_every_rank_and_resume_resumes_them(
+    gw: GatewayServer, pair: WorkerProcess, org: Tenant
+) -> None:
+    jobs = org.client.fine_tuning.jobs
+    job = _sft(org, 2, steps=16)
+    _wait_ranks_training(org, job.id)
+    while not jobs.checkpoints.list(job.id).data:
+        time.sleep(0.3)
+    assert jobs.pause(job.id).status == "paused"
+    wait_trainer_gone(job.id, timeout=60)
+    paused_at = metrics_steps(org, job.id)
+    assert jobs.resume(job.id).status == "queued"
+    done = wait_for(org, job.id, timeout=420)
+    assert done.status == "succeeded", done.error
+    assert len(paused_at) < 16 and metrics_steps(org, job.id) == list(range(1, 17))
+    messages = [e.message for e in all_events(org, job.id)]
+    assert any("resuming from step" in m for m in messages), messages
+    assert len([m for m in messages if m.startswith("Training on 2 device(s)")]) == 2  # both attempts
+
+
+@pytest.mark.timeout(600)
 def test_a_killed_rank_ends_the_attempt_instead_of_hanging_it(
     gw: GatewayServer, pair: WorkerProcess, org: Tenant
 ) -> None:
