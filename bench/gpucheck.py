@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.distributed import ROWS
 from gateway.worker.devices import Device, free_port, launch
 
 RFT = [
@@ -36,16 +37,7 @@ RFT = [
     }
     for i in range(16)
 ]
-SFT = [
-    {
-        "messages": [
-            {"role": "user", "content": f"What is {a} plus {b}?"},
-            {"role": "assistant", "content": str(a + b)},
-        ]
-    }
-    for a in range(4)
-    for b in range(4)
-]
+SFT = ROWS[:16]
 GRADER = {
     "type": "string_check",
     "name": "yes",

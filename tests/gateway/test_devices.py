@@ -20,13 +20,14 @@ from safetensors.torch import load_file
 
 from gateway.settings import Settings
 from gateway.worker.devices import Device, DevicePool, cpu_devices, launch, parse_devices, strategy
-from tests.support.data import RFT, SAYS_YES, SFT
+from tests.support.data import SFT
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import (
     all_events,
+    long_sft_job,
     metrics_steps,
+    rl_job,
     trainer_processes,
-    upload_rows,
     wait_for,
     wait_trainer_gone,
 )
@@ -113,22 +114,7 @@ def org(gw: GatewayServer) -> Tenant:
 
 
 def _sft(t: Tenant, gpus: int, *, steps: int = 4, batch_size: int = 2) -> Any:
-    return t.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(t, SFT),
-        method={
-            "type": "supervised",
-            "supervised": {
-                "hyperparameters": {
-                    "gpus": gpus,
-                    "batch_size": batch_size,
-                    "n_epochs": 50,
-                    "max_steps": steps,
-                    "checkpoint_every": 2,
-                }
-            },
-        },
-    )
+    return long_sft_job(t, SFT, steps=steps, checkpoint_every=2, gpus=gpus, batch_size=batch_size)
 
 
 def _placement(t: Tenant, job_id: str) -> dict[str, Any]:
@@ -202,25 +188,7 @@ def test_supervised_and_reinforcement_train_on_two_processes(
     gw: GatewayServer, pair: WorkerProcess, org: Tenant
 ) -> None:
     sft = _sft(org, 2, steps=4)
-    rl = org.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(org, RFT),
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": SAYS_YES,
-                "hyperparameters": {
-                    "gpus": 2,
-                    "batch_size": 2,
-                    "num_generations": 4,
-                    "max_completion_length": 8,
-                    "n_epochs": 10,
-                    "max_steps": 3,
-                    "checkpoint_every": 3,
-                },
-            },
-        },
-    )
+    rl = rl_job(org, steps=3, checkpoint_every=3, gpus=2, max_completion_length=8)
     for job, steps in ((sft, 4), (rl, 3)):
         done = wait_for(org, job.id, timeout=420)
         assert done.status == "succeeded", done.error

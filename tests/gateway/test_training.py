@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from tests.support.data import DPO, RFT, SAYS_YES, SFT
+from tests.support.data import DPO, SFT
 from tests.support.fixtures import worker_fixture
 from tests.support.jobs import (
     all_events,
     long_sft_job,
     metrics_steps,
+    rl_job,
     trainer_processes,
     upload_rows,
     wait_for,
@@ -129,24 +130,7 @@ def test_failing_trainer_fails_the_job(services: Services, own_database: str, tm
 
 def _long_rl(t: Tenant, steps: int) -> Any:
     """An RL job whose steps (generation included) are slow enough to be interrupted mid-run."""
-    return t.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(t, RFT),
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": SAYS_YES,
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 2,
-                    "num_generations": 4,
-                    "max_completion_length": 16,
-                    "max_steps": steps,
-                    "checkpoint_every": 3,
-                },
-            },
-        },
-    )
+    return rl_job(t, steps=steps)
 
 
 def _long_sft(t: Tenant, steps: int = 400) -> Any:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.data import RFT, SAYS_YES
 from tests.support.stack import Tenant
 
 FINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -69,8 +70,11 @@ def wait_trainer_gone(job_id: str, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def long_sft_job(t: Tenant, rows: list[dict[str, Any]], *, steps: int, checkpoint_every: int = 3) -> Any:
-    """A supervised job of `steps` single-example steps over `rows` (many epochs), to interrupt mid-run."""
+def long_sft_job(
+    t: Tenant, rows: list[dict[str, Any]], *, steps: int, checkpoint_every: int = 3, **hyperparameters: Any
+) -> Any:
+    """A supervised job of `steps` single-example steps over `rows` (many epochs), to interrupt mid-run;
+    `hyperparameters` over those."""
     return t.client.fine_tuning.jobs.create(
         model="tiny-chat",
         training_file=upload_rows(t, rows),
@@ -82,7 +86,32 @@ def long_sft_job(t: Tenant, rows: list[dict[str, Any]], *, steps: int, checkpoin
                     "batch_size": 1,
                     "max_steps": steps,
                     "checkpoint_every": checkpoint_every,
+                    **hyperparameters,
                 }
+            },
+        },
+    )
+
+
+def rl_job(t: Tenant, *, steps: int, checkpoint_every: int = 3, **hyperparameters: Any) -> Any:
+    """A reinforcement job of `steps` steps of 2 prompts x 4 answers on `RFT`, graded by `SAYS_YES`;
+    `hyperparameters` over those."""
+    return t.client.fine_tuning.jobs.create(
+        model="tiny-chat",
+        training_file=upload_rows(t, RFT),
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": SAYS_YES,
+                "hyperparameters": {
+                    "n_epochs": 50,
+                    "batch_size": 2,
+                    "num_generations": 4,
+                    "max_completion_length": 16,
+                    "max_steps": steps,
+                    "checkpoint_every": checkpoint_every,
+                    **hyperparameters,
+                },
             },
         },
     )
