@@ -114,14 +114,13 @@ async def _rows(res: Resources, who: Principal, run: RunSource) -> list[Row]:
         raise InvalidRequest(
             f"File '{run.file_id}' does not exist.", param="data_source.source.id", code="invalid_file"
         )
-    if file["purpose"] not in FILE_PURPOSES:
+    if file.purpose not in FILE_PURPOSES:
         raise InvalidRequest(
-            f"File '{run.file_id}' has purpose '{file['purpose']}'; "
-            f"expected one of {', '.join(FILE_PURPOSES)}.",
+            f"File '{run.file_id}' has purpose '{file.purpose}'; expected one of {', '.join(FILE_PURPOSES)}.",
             param="data_source.source.id",
             code="invalid_file_purpose",
         )
-    path = res.blobs.path(file["blob_key"])
+    path = res.blobs.path(file.blob_key)
     max_line, max_depth = res.settings.max_jsonl_line_bytes, res.settings.max_json_depth
     return await anyio.to_thread.run_sync(
         lambda: rows_of_file(path, max_line_bytes=max_line, max_depth=max_depth)

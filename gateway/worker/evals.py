@@ -155,7 +155,7 @@ class EvalRunExecution:
             raise InvalidRequest(
                 f"File '{source['id']}' was deleted before the run read it.", code="invalid_file"
             )
-        path = self.blobs.path(file["blob_key"])
+        path = self.blobs.path(file.blob_key)
         max_line = self.settings.max_jsonl_line_bytes
         return await asyncio.to_thread(lambda: rows_of_file(path, max_line_bytes=max_line))
 
