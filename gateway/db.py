@@ -1,4 +1,5 @@
-"""PostgreSQL: the pool (with JSON codecs) and the migration runner.
+"""PostgreSQL: the pool (with JSON codecs), the migration runner, and `row_to`, the one way a store turns a
+record into its frozen row dataclass (services never see an `asyncpg.Record`).
 
 Migrations are plain SQL files `migrations/NNNN_name.sql`, applied in order, each in its own transaction,
 recorded in `schema_migrations`, under an advisory lock so that processes starting together apply each once.
@@ -6,15 +7,21 @@ recorded in `schema_migrations`, under an advisory lock so that processes starti
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import re
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import asyncpg
 import orjson
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +30,36 @@ Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
 
 MIGRATION_LOCK_ID = 0x7475_6E65  # "tune": any constant shared by every tunegate process
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+Row = TypeVar("Row", bound="DataclassInstance")
+
+
+@functools.cache
+def _columns(cls: type[DataclassInstance]) -> tuple[str, ...]:
+    return tuple(field.name for field in dataclasses.fields(cls))
+
+
+def row_to(cls: type[Row], record: Mapping[str, Any]) -> Row:
+    """A row dataclass from a record, its fields taken by column name (the record may carry more columns:
+    `SELECT *` stays valid when a migration adds one)."""
+    return cls(*[record[name] for name in _columns(cls)])
+
+
+def maybe_row_to(cls: type[Row], record: Mapping[str, Any] | None) -> Row | None:
+    """`row_to`, or None when no row was found."""
+    return None if record is None else row_to(cls, record)
+
+
+def rows_to(cls: type[Row], records: Iterable[Mapping[str, Any]]) -> list[Row]:
+    """`row_to` of each record."""
+    columns = _columns(cls)
+    return [cls(*[record[name] for name in columns]) for record in records]
+
+
+async def ping(conn: Conn) -> None:
+    """One round trip to the database (readiness)."""
+    await conn.fetchval("SELECT 1")
 
 
 def _dumps(value: Any) -> str:

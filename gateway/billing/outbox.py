@@ -9,7 +9,8 @@
    its error and is tried again next run. Rows of one (customer, meter) are sent one at a time, as Stripe
    asks; different ones concurrently.
 
-Nothing here is on the serving path: the worker's periodic task runs `run_billing()`.
+Nothing here is on the serving path: the worker's periodic task runs `run_billing()`. The SQL lives in
+`gateway.billing.store`.
 """
 
 from __future__ import annotations
@@ -24,56 +25,14 @@ from typing import Any
 
 import asyncpg
 
-from gateway.db import Conn
+from gateway.billing import store
+from gateway.billing.store import OutboxRow
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-BILLING_LOCK_ID = 0x7462_696C  # "tbil"
 MAX_EVENT_AGE_S = 30 * 24 * 3600  # Stripe takes timestamps up to 35 days old
 BACKOFF_S = 0.2
-
-METERS = ("input_tokens", "output_tokens", "training_tokens", "training_seconds")
-
-MARK_COMPLETIONS = """
-WITH picked AS (
-    UPDATE completion_usage u SET billed = true
-    FROM organization_billing b
-    WHERE NOT u.billed AND b.organization_id = u.organization_id AND b.stripe_customer_id IS NOT NULL
-    RETURNING u.organization_id, u.created_at, u.prompt_tokens, u.completion_tokens
-)
-SELECT organization_id, date_bin($1::interval, created_at, 'epoch'::timestamptz) AS window_start,
-       sum(prompt_tokens)::bigint AS input_tokens, sum(completion_tokens)::bigint AS output_tokens
-FROM picked GROUP BY 1, 2"""
-MARK_TRAINING = """
-WITH picked AS (
-    UPDATE training_usage u SET billed = true
-    FROM organization_billing b
-    WHERE NOT u.billed AND b.organization_id = u.organization_id AND b.stripe_customer_id IS NOT NULL
-    RETURNING u.organization_id, u.created_at, u.trained_tokens, u.training_seconds
-)
-SELECT organization_id, date_bin($1::interval, created_at, 'epoch'::timestamptz) AS window_start,
-       sum(trained_tokens)::bigint AS training_tokens,
-       round(sum(training_seconds))::bigint AS training_seconds
-FROM picked GROUP BY 1, 2"""
-INSERT_OUTBOX = """
-WITH n AS (SELECT nextval(pg_get_serial_sequence('billing_outbox', 'id')) AS id)
-INSERT INTO billing_outbox (id, identifier, organization_id, stripe_customer_id, meter, event_name,
-    window_start, value)
-SELECT n.id, 'tg:' || $1 || ':' || $3 || ':' || extract(epoch FROM $5::timestamptz)::bigint || ':' || n.id,
-       $1, (SELECT stripe_customer_id FROM organization_billing WHERE organization_id = $1), $3, $4, $5, $2
-FROM n"""
-PENDING = """
-SELECT * FROM billing_outbox WHERE status = 'pending' ORDER BY id LIMIT $1"""
-MARK_SENT = (
-    "UPDATE billing_outbox SET status = 'sent', sent_at = now(), attempts = attempts + 1 WHERE id = $1"
-)
-MARK_FAILED = "UPDATE billing_outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1"
-LIST = """
-SELECT * FROM billing_outbox
-WHERE ($1::text IS NULL OR organization_id = $1) AND ($2::text IS NULL OR status = $2)
-  AND ($3::bigint IS NULL OR id < $3)
-ORDER BY id DESC LIMIT $4"""
 
 
 def event_names(settings: Settings) -> dict[str, str]:
@@ -92,24 +51,10 @@ async def aggregate(pool: asyncpg.Pool, settings: Settings) -> int:
     width = timedelta(seconds=settings.billing_window_s)
     made = 0
     async with pool.acquire() as conn, conn.transaction():
-        await conn.execute("SELECT pg_advisory_xact_lock($1)", BILLING_LOCK_ID)
-        groups = [
-            *(await conn.fetch(MARK_COMPLETIONS, width)),
-            *(await conn.fetch(MARK_TRAINING, width)),
-        ]
-        for g in groups:
-            for meter in METERS:
-                value = g.get(meter)
-                if value:
-                    await conn.execute(
-                        INSERT_OUTBOX,
-                        g["organization_id"],
-                        int(value),
-                        meter,
-                        names[meter],
-                        g["window_start"],
-                    )
-                    made += 1
+        await store.lock_billing(conn)
+        for total in await store.mark_unbilled(conn, width=width):
+            await store.add_outbox_row(conn, total=total, event_name=names[total.meter])
+            made += 1
     return made
 
 
@@ -148,18 +93,18 @@ def _already_recorded(exc: BaseException) -> bool:
     return "identifier" in text and ("already" in text or "duplicate" in text)
 
 
-async def _send_one(client: Any, row: asyncpg.Record, attempts: int) -> None:
-    timestamp = int(max(row["window_start"].timestamp(), time.time() - MAX_EVENT_AGE_S))
+async def _send_one(client: Any, row: OutboxRow, attempts: int) -> None:
+    timestamp = int(max(row.window_start.timestamp(), time.time() - MAX_EVENT_AGE_S))
     params = {
-        "event_name": row["event_name"],
-        "identifier": row["identifier"],
+        "event_name": row.event_name,
+        "identifier": row.identifier,
         "timestamp": timestamp,
-        "payload": {"stripe_customer_id": row["stripe_customer_id"], "value": str(row["value"])},
+        "payload": {"stripe_customer_id": row.stripe_customer_id, "value": str(row.value)},
     }
     for attempt in range(attempts + 1):
         try:
             await client.v1.billing.meter_events.create_async(
-                params, options={"idempotency_key": row["identifier"]}
+                params, options={"idempotency_key": row.identifier}
             )
             return
         except Exception as exc:
@@ -175,26 +120,26 @@ async def send_pending(pool: asyncpg.Pool, settings: Settings, *, batch: int = 1
     report = SendReport()
     if settings.stripe_api_key is None:
         return report
-    rows = await pool.fetch(PENDING, batch)
+    rows = await store.pending(pool, limit=batch)
     if not rows:
         return report
     client = make_client(settings)
-    lanes: dict[tuple[str, str], list[asyncpg.Record]] = defaultdict(list)
+    lanes: dict[tuple[str | None, str], list[OutboxRow]] = defaultdict(list)
     for r in rows:
-        lanes[(r["stripe_customer_id"], r["event_name"])].append(r)
+        lanes[(r.stripe_customer_id, r.event_name)].append(r)
     gate = asyncio.Semaphore(16)
 
-    async def lane(items: list[asyncpg.Record]) -> None:
+    async def lane(items: list[OutboxRow]) -> None:
         async with gate:
             for r in items:
                 try:
                     await _send_one(client, r, settings.stripe_max_retries)
                 except Exception as exc:  # noqa: BLE001 - any failure leaves the row pending
                     report.failed += 1
-                    logger.warning("meter event %s not sent: %s", r["identifier"], exc)
-                    await pool.execute(MARK_FAILED, r["id"], str(exc)[:500])
+                    logger.warning("meter event %s not sent: %s", r.identifier, exc)
+                    await store.mark_failed(pool, row_id=r.id, error=str(exc)[:500])
                     continue
-                await pool.execute(MARK_SENT, r["id"])
+                await store.mark_sent(pool, row_id=r.id)
                 report.sent += 1
 
     await asyncio.gather(*(lane(v) for v in lanes.values()))
@@ -208,9 +153,3 @@ async def run_billing(pool: asyncpg.Pool, settings: Settings) -> dict[str, int]:
     if made or report.sent or report.failed:
         logger.info("billing: %d outbox rows made, %d sent, %d failed", made, report.sent, report.failed)
     return {"aggregated": made, "sent": report.sent, "failed": report.failed}
-
-
-async def list_outbox(
-    conn: Conn, *, org_id: str | None, status: str | None, before: int | None, limit: int
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST, org_id, status, before, limit)

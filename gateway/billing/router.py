@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
 from fastapi import APIRouter, Query
 
-from gateway.billing import outbox
+from gateway.billing import outbox, store
+from gateway.billing.store import OutboxRow
 from gateway.deps import AdminDep, ResourcesDep
 from gateway.errors import InvalidRequest
 from gateway.timeutil import ts
@@ -15,22 +15,22 @@ from gateway.timeutil import ts
 router = APIRouter(prefix="/v1/admin/billing", dependencies=[AdminDep], tags=["admin"])
 
 
-def _row(r: asyncpg.Record) -> dict[str, Any]:
+def _row(r: OutboxRow) -> dict[str, Any]:
     return {
         "object": "billing.meter_event",
-        "id": str(r["id"]),
-        "identifier": r["identifier"],
-        "organization_id": r["organization_id"],
-        "stripe_customer_id": r["stripe_customer_id"],
-        "meter": r["meter"],
-        "event_name": r["event_name"],
-        "window_start": ts(r["window_start"]),
-        "value": r["value"],
-        "status": r["status"],
-        "attempts": r["attempts"],
-        "last_error": r["last_error"],
-        "created_at": ts(r["created_at"]),
-        "sent_at": ts(r["sent_at"]),
+        "id": str(r.id),
+        "identifier": r.identifier,
+        "organization_id": r.organization_id,
+        "stripe_customer_id": r.stripe_customer_id,
+        "meter": r.meter,
+        "event_name": r.event_name,
+        "window_start": ts(r.window_start),
+        "value": r.value,
+        "status": r.status,
+        "attempts": r.attempts,
+        "last_error": r.last_error,
+        "created_at": ts(r.created_at),
+        "sent_at": ts(r.sent_at),
     }
 
 
@@ -48,7 +48,7 @@ async def list_outbox(
         before = int(after) if after.isascii() and after.isdigit() and len(after) <= 18 else None
         if before is None:
             raise InvalidRequest("after must be an outbox row's id.", param="after", code="invalid_value")
-    rows = await outbox.list_outbox(
+    rows = await store.list_outbox(
         res.pool, org_id=organization_id, status=status, before=before, limit=limit + 1
     )
     data = [_row(r) for r in rows[:limit]]

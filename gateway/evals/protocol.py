@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import asyncpg
-
+from gateway.evals.rows import EvalRow, ItemRow, RunRow
 from gateway.protocol import OpenAIBaseModel
 from gateway.timeutil import ts
 
@@ -62,14 +61,14 @@ class Eval(OpenAIBaseModel):
     testing_criteria: list[dict[str, Any]]
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> Eval:
+    def from_row(cls, row: EvalRow) -> Eval:
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            name=row["name"],
-            metadata=row["metadata"],
-            data_source_config=row["data_source_config"],
-            testing_criteria=row["testing_criteria"],
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            name=row.name,
+            metadata=row.metadata,
+            data_source_config=row.data_source_config,
+            testing_criteria=row.testing_criteria,
         )
 
 
@@ -106,21 +105,21 @@ class EvalRun(OpenAIBaseModel):
     """tunegate has no dashboard: the API path of the run's output items."""
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> EvalRun:
+    def from_row(cls, row: RunRow) -> EvalRun:
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            eval_id=row["eval_id"],
-            name=row["name"],
-            model=row["model"],
-            status=row["status"],
-            metadata=row["metadata"],
-            data_source=row["data_source"],
-            error=RunError(**row["error"]) if row["error"] else None,
-            result_counts=row["result_counts"],
-            per_testing_criteria_results=row["per_testing_criteria_results"],
-            per_model_usage=row["per_model_usage"],
-            report_url=f"/v1/evals/{row['eval_id']}/runs/{row['id']}/output_items",
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            eval_id=row.eval_id,
+            name=row.name,
+            model=row.model,
+            status=row.status,
+            metadata=row.metadata,
+            data_source=row.data_source,
+            error=RunError(**row.error) if row.error else None,
+            result_counts=row.result_counts,
+            per_testing_criteria_results=row.per_testing_criteria_results,
+            per_model_usage=row.per_model_usage,
+            report_url=f"/v1/evals/{row.eval_id}/runs/{row.id}/output_items",
         )
 
 
@@ -149,15 +148,15 @@ class OutputItem(OpenAIBaseModel):
     """`input`, `output`, `finish_reason`, `model`, `usage`, `error`, and the sampling parameters used."""
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> OutputItem:
+    def from_row(cls, row: ItemRow) -> OutputItem:
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            run_id=row["run_id"],
-            eval_id=row["eval_id"],
-            status=row["status"],
-            datasource_item_id=row["datasource_item_id"],
-            datasource_item=row["datasource_item"],
-            results=row["results"],
-            sample=row["sample"],
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            run_id=row.run_id,
+            eval_id=row.eval_id,
+            status=row.status,
+            datasource_item_id=row.datasource_item_id,
+            datasource_item=row.datasource_item,
+            results=row.results,
+            sample=row.sample,
         )

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-import asyncpg
 
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest, not_found
@@ -39,6 +38,7 @@ from gateway.evals.protocol import (
     OutputItem,
     RunCreate,
 )
+from gateway.evals.rows import EvalRow, RunRow
 from gateway.files import store as files_store
 from gateway.graders.checks import check_grader
 from gateway.jobs.validation import check_metadata
@@ -66,7 +66,7 @@ async def create_eval(res: Resources, who: Principal, body: EvalCreate) -> Eval:
     return Eval.from_row(row)
 
 
-async def _eval_row(res: Resources, who: Principal, eval_id: str) -> asyncpg.Record:
+async def _eval_row(res: Resources, who: Principal, eval_id: str) -> EvalRow:
     row = await store.get_eval(res.pool, org_id=who.organization_id, eval_id=eval_id)
     if row is None:
         raise not_found("eval", eval_id, param="eval_id")
@@ -114,14 +114,13 @@ async def _rows(res: Resources, who: Principal, run: RunSource) -> list[Row]:
         raise InvalidRequest(
             f"File '{run.file_id}' does not exist.", param="data_source.source.id", code="invalid_file"
         )
-    if file["purpose"] not in FILE_PURPOSES:
+    if file.purpose not in FILE_PURPOSES:
         raise InvalidRequest(
-            f"File '{run.file_id}' has purpose '{file['purpose']}'; "
-            f"expected one of {', '.join(FILE_PURPOSES)}.",
+            f"File '{run.file_id}' has purpose '{file.purpose}'; expected one of {', '.join(FILE_PURPOSES)}.",
             param="data_source.source.id",
             code="invalid_file_purpose",
         )
-    path = res.blobs.path(file["blob_key"])
+    path = res.blobs.path(file.blob_key)
     max_line, max_depth = res.settings.max_jsonl_line_bytes, res.settings.max_json_depth
     return await anyio.to_thread.run_sync(
         lambda: rows_of_file(path, max_line_bytes=max_line, max_depth=max_depth)
@@ -133,7 +132,7 @@ async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCrea
     check_metadata(body.metadata)
     run = check_run_source(body.data_source)
     rows = await _rows(res, who, run)
-    item_schema = ev["data_source_config"]["schema"]["properties"]["item"]
+    item_schema = ev.data_source_config["schema"]["properties"]["item"]
     await anyio.to_thread.run_sync(check_rows, run, rows, item_schema)
     data_source: dict[str, Any] = {"type": run.type, "source": run.source}
     if run.type == "completions":
@@ -151,13 +150,13 @@ async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCrea
         model=run.model,
         metadata=body.metadata,
         data_source=data_source,
-        testing_criteria=ev["testing_criteria"],
+        testing_criteria=ev.testing_criteria,
     )
-    await enqueue(res.queue, res.settings.queue_name, row["id"], row["queue_generation"], function=RUN_EVAL)
+    await enqueue(res.queue, res.settings.queue_name, row.id, row.queue_generation, function=RUN_EVAL)
     return EvalRun.from_row(row)
 
 
-async def _run_row(res: Resources, who: Principal, eval_id: str, run_id: str) -> asyncpg.Record:
+async def _run_row(res: Resources, who: Principal, eval_id: str, run_id: str) -> RunRow:
     row = await store.get_run(res.pool, org_id=who.organization_id, eval_id=eval_id, run_id=run_id)
     if row is None:
         raise not_found("eval run", run_id, param="run_id")
@@ -198,7 +197,7 @@ async def cancel_run(res: Resources, who: Principal, eval_id: str, run_id: str) 
     if row is None:
         current = await _run_row(res, who, eval_id, run_id)  # 404 for unknown or foreign ids
         raise InvalidRequest(
-            f"Cannot cancel a run whose status is '{current['status']}'.",
+            f"Cannot cancel a run whose status is '{current.status}'.",
             param="run_id",
             code="invalid_state",
         )

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
-
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
+from gateway.evals.rows import DoneItem, EvalRow, ItemRow, QueuedRun, RunRow, StaleRun
 from gateway.ids import new_id
 
 # -- evals -----------------------------------------------------------------------------------------------
@@ -141,20 +140,21 @@ async def insert_eval(
     metadata: dict[str, Any] | None,
     data_source_config: dict[str, Any],
     testing_criteria: list[dict[str, Any]],
-) -> asyncpg.Record:
-    return await conn.fetchrow(
+) -> EvalRow:
+    record = await conn.fetchrow(
         INSERT_EVAL, new_id("eval_"), org_id, name, metadata, data_source_config, testing_criteria
     )
+    return row_to(EvalRow, record)
 
 
-async def get_eval(conn: Conn, *, org_id: str, eval_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_EVAL, eval_id, org_id)
+async def get_eval(conn: Conn, *, org_id: str, eval_id: str) -> EvalRow | None:
+    return maybe_row_to(EvalRow, await conn.fetchrow(GET_EVAL, eval_id, org_id))
 
 
 async def update_eval(
     conn: Conn, *, org_id: str, eval_id: str, name: str | None, metadata: dict[str, Any] | None
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(UPDATE_EVAL, eval_id, org_id, name, metadata)
+) -> EvalRow | None:
+    return maybe_row_to(EvalRow, await conn.fetchrow(UPDATE_EVAL, eval_id, org_id, name, metadata))
 
 
 async def delete_eval(conn: Conn, *, org_id: str, eval_id: str) -> bool:
@@ -164,8 +164,8 @@ async def delete_eval(conn: Conn, *, org_id: str, eval_id: str) -> bool:
 
 async def list_evals(
     conn: Conn, *, org_id: str, after: str | None, limit: int, order: str, order_by: str
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_EVALS[(order_by, order)], org_id, after, limit)
+) -> list[EvalRow]:
+    return rows_to(EvalRow, await conn.fetch(LIST_EVALS[(order_by, order)], org_id, after, limit))
 
 
 # -- runs ------------------------------------------------------------------------------------------------
@@ -182,8 +182,8 @@ async def insert_run(
     metadata: dict[str, Any] | None,
     data_source: dict[str, Any],
     testing_criteria: list[dict[str, Any]],
-) -> asyncpg.Record:
-    return await conn.fetchrow(
+) -> RunRow:
+    record = await conn.fetchrow(
         INSERT_RUN,
         new_id("evalrun_"),
         eval_id,
@@ -195,29 +195,30 @@ async def insert_run(
         data_source,
         testing_criteria,
     )
+    return row_to(RunRow, record)
 
 
-async def get_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_RUN, run_id, eval_id, org_id)
+async def get_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(GET_RUN, run_id, eval_id, org_id))
 
 
-async def get_run_any(conn: Conn, *, run_id: str) -> asyncpg.Record | None:
+async def get_run_any(conn: Conn, *, run_id: str) -> RunRow | None:
     """A run by id alone: for the worker, which acts for every organisation."""
-    return await conn.fetchrow(GET_RUN_ANY, run_id)
+    return maybe_row_to(RunRow, await conn.fetchrow(GET_RUN_ANY, run_id))
 
 
 async def list_runs(
     conn: Conn, *, org_id: str, eval_id: str, status: str | None, after: str | None, limit: int, order: str
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_RUNS[order], eval_id, org_id, status, after, limit)
+) -> list[RunRow]:
+    return rows_to(RunRow, await conn.fetch(LIST_RUNS[order], eval_id, org_id, status, after, limit))
 
 
-async def cancel_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(CANCEL_RUN, run_id, eval_id, org_id)
+async def cancel_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(CANCEL_RUN, run_id, eval_id, org_id))
 
 
-async def delete_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(DELETE_RUN, run_id, eval_id, org_id)
+async def delete_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(DELETE_RUN, run_id, eval_id, org_id))
 
 
 # -- output items ----------------------------------------------------------------------------------------
@@ -225,21 +226,19 @@ async def delete_run(conn: Conn, *, org_id: str, eval_id: str, run_id: str) -> a
 
 async def list_items(
     conn: Conn, *, org_id: str, run_id: str, status: str | None, after: str | None, limit: int, order: str
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_ITEMS[order], run_id, org_id, status, after, limit)
+) -> list[ItemRow]:
+    return rows_to(ItemRow, await conn.fetch(LIST_ITEMS[order], run_id, org_id, status, after, limit))
 
 
-async def get_item(
-    conn: Conn, *, org_id: str, eval_id: str, run_id: str, item_id: str
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_ITEM, item_id, run_id, eval_id, org_id)
+async def get_item(conn: Conn, *, org_id: str, eval_id: str, run_id: str, item_id: str) -> ItemRow | None:
+    return maybe_row_to(ItemRow, await conn.fetchrow(GET_ITEM, item_id, run_id, eval_id, org_id))
 
 
 # -- the worker ------------------------------------------------------------------------------------------
 
 
-async def claim_run(conn: Conn, *, run_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(CLAIM_RUN, run_id, worker_id)
+async def claim_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(CLAIM_RUN, run_id, worker_id))
 
 
 async def set_worker_key(conn: Conn, *, run_id: str, worker_id: str, key_id: str) -> None:
@@ -285,38 +284,36 @@ async def update_summary(
     )
 
 
-async def done_items(conn: Conn, *, run_id: str) -> list[asyncpg.Record]:
+async def done_items(conn: Conn, *, run_id: str) -> list[DoneItem]:
     """The output items a run already has (an earlier attempt's): resumed runs skip them."""
-    return await conn.fetch(DONE_ITEMS, run_id)
+    return rows_to(DoneItem, await conn.fetch(DONE_ITEMS, run_id))
 
 
 async def finish_run(
     conn: Conn, *, run_id: str, worker_id: str, status: str, error: dict[str, Any] | None
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(FINISH_RUN, run_id, worker_id, status, error)
+) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(FINISH_RUN, run_id, worker_id, status, error))
 
 
-async def release_run(conn: Conn, *, run_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(RELEASE_RUN, run_id, worker_id)
+async def release_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(RELEASE_RUN, run_id, worker_id))
 
 
-async def requeue_own_run(conn: Conn, *, run_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(REQUEUE_OWN_RUN, run_id, worker_id)
+async def requeue_own_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(REQUEUE_OWN_RUN, run_id, worker_id))
 
 
-async def queued_unclaimed_runs(conn: Conn) -> list[asyncpg.Record]:
-    return await conn.fetch(QUEUED_UNCLAIMED_RUNS)
+async def queued_unclaimed_runs(conn: Conn) -> list[QueuedRun]:
+    return rows_to(QueuedRun, await conn.fetch(QUEUED_UNCLAIMED_RUNS))
 
 
-async def stale_runs(conn: Conn, *, after_s: float) -> list[asyncpg.Record]:
-    return await conn.fetch(STALE_RUNS, after_s)
+async def stale_runs(conn: Conn, *, after_s: float) -> list[StaleRun]:
+    return rows_to(StaleRun, await conn.fetch(STALE_RUNS, after_s))
 
 
-async def requeue_stale_run(conn: Conn, *, run_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(REQUEUE_STALE_RUN, run_id, worker_id)
+async def requeue_stale_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(REQUEUE_STALE_RUN, run_id, worker_id))
 
 
-async def fail_stale_run(
-    conn: Conn, *, run_id: str, worker_id: str, error: dict[str, Any]
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(FAIL_STALE_RUN, run_id, worker_id, error)
+async def fail_stale_run(conn: Conn, *, run_id: str, worker_id: str, error: dict[str, Any]) -> RunRow | None:
+    return maybe_row_to(RunRow, await conn.fetchrow(FAIL_STALE_RUN, run_id, worker_id, error))

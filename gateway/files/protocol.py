@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-import asyncpg
-
+from gateway.files.store import FileRow
 from gateway.protocol import OpenAIBaseModel
 from gateway.timeutil import ts
 
@@ -25,16 +24,16 @@ class FileObject(OpenAIBaseModel):
     status_details: str | None = None
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> FileObject:
+    def from_row(cls, row: FileRow) -> FileObject:
         return cls(
-            id=row["id"],
-            bytes=row["bytes"],
-            created_at=ts(row["created_at"]) or 0,
-            filename=row["filename"],
-            purpose=row["purpose"],
-            status=row["status"],
-            expires_at=ts(row["expires_at"]),
-            status_details=row["status_details"],
+            id=row.id,
+            bytes=row.bytes,
+            created_at=ts(row.created_at) or 0,
+            filename=row.filename,
+            purpose=row.purpose,
+            status=row.status,
+            expires_at=ts(row.expires_at),
+            status_details=row.status_details,
         )
 
 

@@ -59,5 +59,5 @@ async def delete_file(file_id: str, res: ResourcesDep, who: PrincipalDep) -> Fil
 async def file_content(file_id: str, res: ResourcesDep, who: PrincipalDep) -> FileResponse:
     row = await service.get(res.pool, org_id=who.organization_id, file_id=file_id)
     return FileResponse(
-        res.blobs.path(row["blob_key"]), media_type="application/octet-stream", filename=row["filename"]
+        res.blobs.path(row.blob_key), media_type="application/octet-stream", filename=row.filename
     )

@@ -14,6 +14,7 @@ from gateway.blobstore import BlobStore
 from gateway.errors import InvalidRequest, PayloadTooLarge, not_found
 from gateway.files import store
 from gateway.files.protocol import PURPOSES, FileObject
+from gateway.files.store import FileRow
 from gateway.files.upload import receive_upload
 from gateway.files.validation import check_jsonl
 from gateway.ids import new_id
@@ -166,7 +167,7 @@ async def upload(
         temp.unlink(missing_ok=True)
 
 
-async def get(pool: asyncpg.Pool, *, org_id: str, file_id: str) -> asyncpg.Record:
+async def get(pool: asyncpg.Pool, *, org_id: str, file_id: str) -> FileRow:
     row = await store.get(pool, org_id=org_id, file_id=file_id)
     if row is None:
         raise not_found("file", file_id, param="file_id")
@@ -186,4 +187,4 @@ async def delete(pool: asyncpg.Pool, blobs: BlobStore, *, org_id: str, file_id: 
     row = await store.delete(pool, org_id=org_id, file_id=file_id)
     if row is None:
         raise not_found("file", file_id, param="file_id")
-    blobs.delete(row["blob_key"])
+    blobs.delete(row.blob_key)

@@ -1,12 +1,28 @@
-"""Files: plain SQL. Every query is scoped by organisation."""
+"""Files: plain SQL, and the frozen rows it returns. Every query is scoped by organisation."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 
-import asyncpg
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
 
-from gateway.db import Conn
+
+@dataclass(frozen=True, slots=True)
+class FileRow:
+    id: str
+    organization_id: str
+    filename: str
+    purpose: str
+    bytes: int
+    sha256: str
+    status: str
+    status_details: str | None
+    blob_key: str
+    line_count: int | None
+    created_at: datetime
+    expires_at: datetime | None
+
 
 INSERT = """
 INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status, blob_key, line_count,
@@ -39,18 +55,19 @@ async def insert(
     blob_key: str,
     line_count: int | None,
     expires_at: datetime | None,
-) -> asyncpg.Record:
-    return await conn.fetchrow(
+) -> FileRow:
+    record = await conn.fetchrow(
         INSERT, file_id, org_id, filename, purpose, size, sha256, blob_key, line_count, expires_at
     )
+    return row_to(FileRow, record)
 
 
-async def get(conn: Conn, *, org_id: str, file_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET, file_id, org_id)
+async def get(conn: Conn, *, org_id: str, file_id: str) -> FileRow | None:
+    return maybe_row_to(FileRow, await conn.fetchrow(GET, file_id, org_id))
 
 
-async def delete(conn: Conn, *, org_id: str, file_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(DELETE, file_id, org_id)
+async def delete(conn: Conn, *, org_id: str, file_id: str) -> FileRow | None:
+    return maybe_row_to(FileRow, await conn.fetchrow(DELETE, file_id, org_id))
 
 
 async def list_page(
@@ -61,6 +78,6 @@ async def list_page(
     after: str | None,
     limit: int,
     order: str,
-) -> list[asyncpg.Record]:
+) -> list[FileRow]:
     sql = LIST_ASC if order == "asc" else LIST_DESC
-    return await conn.fetch(sql, org_id, purpose, after, limit)
+    return rows_to(FileRow, await conn.fetch(sql, org_id, purpose, after, limit))

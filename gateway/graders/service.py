@@ -232,9 +232,9 @@ async def run_environment(res: Resources, who: Caller, body: EnvironmentRunReque
     row = await files_store.get(res.pool, org_id=org_id, file_id=body.file_id)
     if row is None:
         raise not_found("file", body.file_id, param="file_id")
-    if row["purpose"] != "environment":
+    if row.purpose != "environment":
         raise InvalidRequest(
-            f"File '{body.file_id}' has purpose '{row['purpose']}'; expected 'environment'.",
+            f"File '{body.file_id}' has purpose '{row.purpose}'; expected 'environment'.",
             param="file_id",
             code="invalid_file_purpose",
         )
@@ -242,6 +242,6 @@ async def run_environment(res: Resources, who: Caller, body: EnvironmentRunReque
         raise InvalidRequest("Give exactly one of 'completion' or 'model'.", param="completion")
     if body.model is not None:
         await check_models(res, who.principal, [(body.model, "model")])
-    archive = res.blobs.path(row["blob_key"])
+    archive = res.blobs.path(row.blob_key)
     run = functools.partial(_run_environment_checked, res.settings, archive, body, who.key)
     return await res.offload.thread(org_id, run)

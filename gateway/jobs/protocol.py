@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import asyncpg
 from pydantic import Field
 
+from gateway.jobs.store import CheckpointRow, EventRow, JobRow
 from gateway.protocol import OpenAIBaseModel
 from gateway.timeutil import ts
 
@@ -56,28 +56,28 @@ class FineTuningJob(OpenAIBaseModel):
     method: dict[str, Any]
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> FineTuningJob:
-        method = row["method"]
+    def from_row(cls, row: JobRow) -> FineTuningJob:
+        method = row.method
         hp = method.get(method["type"], {}).get("hyperparameters", {})
         legacy = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hp}
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            error=JobError(**row["error"]) if row["error"] else None,
-            fine_tuned_model=row["fine_tuned_model"],
-            finished_at=ts(row["finished_at"]),
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            error=JobError(**row.error) if row.error else None,
+            fine_tuned_model=row.fine_tuned_model,
+            finished_at=ts(row.finished_at),
             hyperparameters=legacy,
-            model=row["model"],
-            organization_id=row["organization_id"],
-            result_files=row["result_files"] or [],
-            status=row["status"],
-            trained_tokens=row["trained_tokens"],
-            training_file=row["training_file"],
-            validation_file=row["validation_file"],
-            seed=row["seed"],
-            estimated_finish=ts(row["estimated_finish"]),
-            integrations=row["integrations"],
-            metadata=row["metadata"],
+            model=row.model,
+            organization_id=row.organization_id,
+            result_files=row.result_files or [],
+            status=row.status,
+            trained_tokens=row.trained_tokens,
+            training_file=row.training_file,
+            validation_file=row.validation_file,
+            seed=row.seed,
+            estimated_finish=ts(row.estimated_finish),
+            integrations=row.integrations,
+            metadata=row.metadata,
             method=method,
         )
 
@@ -92,14 +92,14 @@ class JobEvent(OpenAIBaseModel):
     data: dict[str, Any] | None = None
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> JobEvent:
+    def from_row(cls, row: EventRow) -> JobEvent:
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            level=row["level"],
-            message=row["message"],
-            type=row["type"],
-            data=row["data"],
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            level=row.level,
+            message=row.message,
+            type=row.type,
+            data=row.data,
         )
 
 
@@ -113,12 +113,12 @@ class JobCheckpoint(OpenAIBaseModel):
     metrics: dict[str, Any]
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> JobCheckpoint:
+    def from_row(cls, row: CheckpointRow) -> JobCheckpoint:
         return cls(
-            id=row["id"],
-            created_at=ts(row["created_at"]) or 0,
-            fine_tuned_model_checkpoint=row["fine_tuned_model_checkpoint"],
-            fine_tuning_job_id=row["job_id"],
-            step_number=row["step_number"],
-            metrics=row["metrics"] or {},
+            id=row.id,
+            created_at=ts(row.created_at) or 0,
+            fine_tuned_model_checkpoint=row.fine_tuned_model_checkpoint,
+            fine_tuning_job_id=row.job_id,
+            step_number=row.step_number,
+            metrics=row.metrics or {},
         )

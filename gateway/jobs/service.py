@@ -17,9 +17,11 @@ from envsdk.graders import model_fields
 from gateway.deps import Resources
 from gateway.errors import Conflict, InsufficientQuota, InvalidRequest, not_found
 from gateway.files import store as files_store
+from gateway.files.store import FileRow
 from gateway.graders.checks import check_grader
 from gateway.jobs import store
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
+from gateway.jobs.store import JobRow
 from gateway.jobs.validation import (
     DatasetSummary,
     MethodSpec,
@@ -50,13 +52,13 @@ def _request_hash(body: JobCreate) -> str:
     ).hexdigest()
 
 
-async def _owned_file(res: Resources, org_id: str, file_id: str, purpose: str, param: str) -> asyncpg.Record:
+async def _owned_file(res: Resources, org_id: str, file_id: str, purpose: str, param: str) -> FileRow:
     row = await files_store.get(res.pool, org_id=org_id, file_id=file_id)
     if row is None:
         raise InvalidRequest(f"File '{file_id}' does not exist.", param=param, code="invalid_file")
-    if row["purpose"] != purpose:
+    if row.purpose != purpose:
         raise InvalidRequest(
-            f"File '{file_id}' has purpose '{row['purpose']}'; expected '{purpose}'.",
+            f"File '{file_id}' has purpose '{row.purpose}'; expected '{purpose}'.",
             param=param,
             code="invalid_file_purpose",
         )
@@ -79,8 +81,8 @@ async def create(
         replayed = await _replayed(res, who, idempotency_key, request_hash)
         assert replayed is not None
         return replayed
-    events = JobEvents(res.pool, row["id"], who.organization_id)
-    await events.add(f"Created fine-tuning job: {row['id']}", "created")
+    events = JobEvents(res.pool, row.id, who.organization_id)
+    await events.add(f"Created fine-tuning job: {row.id}", "created")
     try:
         summaries = await _check_files(res, events, body, spec.type, files)
     except FileRejected as exc:
@@ -105,7 +107,7 @@ async def _insert(
     spec: MethodSpec,
     idempotency_key: str | None,
     request_hash: str,
-) -> asyncpg.Record | None:
+) -> JobRow | None:
     """The new job's row, `validating_files`; None when another create took its `Idempotency-Key` first."""
     try:
         return await store.insert(
@@ -141,7 +143,7 @@ async def _check_files(
 async def _queue(
     res: Resources,
     events: JobEvents,
-    row: asyncpg.Record,
+    row: JobRow,
     body: JobCreate,
     spec: MethodSpec,
     summaries: list[DatasetSummary],
@@ -156,13 +158,13 @@ async def _queue(
     hp = spec.hyperparameters
     assert isinstance(hp, Hyperparameters)
     steps = total_steps(spec.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
-    queued = await store.to_queued(res.pool, job_id=row["id"], method=_method_object(spec), total_steps=steps)
+    queued = await store.to_queued(res.pool, job_id=row.id, method=_method_object(spec), total_steps=steps)
     if queued is None:  # cancelled while validating
-        current = await store.get(res.pool, org_id=row["organization_id"], job_id=row["id"])
+        current = await store.get(res.pool, org_id=row.organization_id, job_id=row.id)
         assert current is not None
         return FineTuningJob.from_row(current)
     await events.add("Files validated, moving job to queued state", "queued:1")
-    await enqueue(res.queue, res.settings.queue_name, row["id"], queued["queue_generation"])
+    await enqueue(res.queue, res.settings.queue_name, row.id, queued.queue_generation)
     return FineTuningJob.from_row(queued)
 
 
@@ -228,16 +230,16 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Me
         spec, probe, probe if body.validation_file else None, res.settings.base_model_path(body.model)
     )
     training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
-    files = [res.blobs.path(training["blob_key"])]
+    files = [res.blobs.path(training.blob_key)]
     if body.validation_file:
         validation = await _owned_file(res, org, body.validation_file, "fine-tune", "validation_file")
-        files.append(res.blobs.path(validation["blob_key"]))
+        files.append(res.blobs.path(validation.blob_key))
     if spec.environment is not None:
         await _owned_file(
             res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
         )
     epochs = getattr(spec.hyperparameters, "n_epochs", 1)
-    await _check_budget(res, org, body.model, training["bytes"], epochs if isinstance(epochs, int) else 1)
+    await _check_budget(res, org, body.model, training.bytes, epochs if isinstance(epochs, int) else 1)
     return spec, files
 
 
@@ -272,7 +274,7 @@ async def _check_rows(res: Resources, path: Path, kind: str, param: str) -> Data
 
 
 async def _fail_validation(
-    res: Resources, events: JobEvents, row: asyncpg.Record, body: JobCreate, exc: FileRejected
+    res: Resources, events: JobEvents, row: JobRow, body: JobCreate, exc: FileRejected
 ) -> FineTuningJob:
     name, file_id = (
         ("Validation", body.validation_file)
@@ -284,7 +286,7 @@ async def _fail_validation(
         "message": f"{name} file {file_id}: {exc.message}",
         "param": exc.param,
     }
-    failed = await store.to_failed(res.pool, job_id=row["id"], error=error, from_states=("validating_files",))
+    failed = await store.to_failed(res.pool, job_id=row.id, error=error, from_states=("validating_files",))
     await events.add(error["message"], "validation_failed", level="error")
     return FineTuningJob.from_row(failed or row)
 
@@ -295,14 +297,14 @@ async def _check_budget(res: Resources, org_id: str, base_model: str, file_bytes
     Trained tokens are estimated from the file (about four bytes a token) times the epochs.
     """
     billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
-    if billing is None or billing["monthly_budget_usd"] is None:
+    if billing is None or billing.monthly_budget_usd is None:
         return
     estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
     spent = await res.guard.month_spend_micro(org_id) / 1e6
-    if spent + estimate > billing["monthly_budget_usd"]:
+    if spent + estimate > billing.monthly_budget_usd:
         raise InsufficientQuota(
             f"This job's estimated cost (${estimate:.4f}) does not fit the organization's remaining monthly "
-            f"budget (${max(0.0, billing['monthly_budget_usd'] - spent):.4f}).",
+            f"budget (${max(0.0, billing.monthly_budget_usd - spent):.4f}).",
             code="insufficient_quota",
         )
 
@@ -319,8 +321,8 @@ async def _with_usage(res: Resources, org_id: str, jobs: list[FineTuningJob]) ->
     return jobs
 
 
-def _replay(existing: asyncpg.Record, request_hash: str) -> FineTuningJob:
-    if existing["request_hash"] != request_hash:
+def _replay(existing: JobRow, request_hash: str) -> FineTuningJob:
+    if existing.request_hash != request_hash:
         raise Conflict(
             "This Idempotency-Key was already used with a different request body.",
             param="Idempotency-Key",
@@ -346,7 +348,7 @@ async def list_jobs(
     return CursorPage[FineTuningJob].of(jobs, limit)
 
 
-async def _transition(res: Resources, who: Principal, job_id: str, action: str) -> asyncpg.Record:
+async def _transition(res: Resources, who: Principal, job_id: str, action: str) -> JobRow:
     fn = {"cancel": store.cancel, "pause": store.pause, "resume": store.resume}[action]
     row = await fn(res.pool, org_id=who.organization_id, job_id=job_id)
     if row is None:
@@ -374,9 +376,9 @@ async def pause(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
 async def resume(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await _transition(res, who, job_id, "resume")
     await JobEvents(res.pool, job_id, who.organization_id).add(
-        "Job resumed", f"queued:{row['queue_generation']}"
+        "Job resumed", f"queued:{row.queue_generation}"
     )
-    await enqueue(res.queue, res.settings.queue_name, job_id, row["queue_generation"])
+    await enqueue(res.queue, res.settings.queue_name, job_id, row.queue_generation)
     return FineTuningJob.from_row(row)
 
 

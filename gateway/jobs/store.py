@@ -6,12 +6,69 @@ workers, the reaper) cannot race a job into an impossible state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-import asyncpg
-
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
 from gateway.ids import new_id
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """A fine-tuning job, as the API and the worker read it."""
+
+    id: str
+    organization_id: str
+    api_key_id: str | None
+    model: str
+    training_file: str
+    validation_file: str | None
+    status: str
+    method: dict[str, Any]
+    """`{"type": ..., <type>: {"hyperparameters": ..., ...}}`, hyperparameters resolved once queued."""
+    seed: int
+    suffix: str | None
+    metadata: dict[str, Any] | None
+    integrations: list[dict[str, Any]] | None
+    error: dict[str, Any] | None
+    fine_tuned_model: str | None
+    trained_tokens: int | None
+    result_files: list[str] | None
+    estimated_finish: datetime | None
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    queue_generation: int
+    attempts: int
+    worker_id: str | None
+    current_step: int | None
+    total_steps: int | None
+    last_checkpoint: str | None
+    request_hash: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    id: str
+    created_at: datetime
+    level: str
+    message: str
+    type: str
+    data: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    id: str
+    job_id: str
+    created_at: datetime
+    step_number: int
+    metrics: dict[str, Any] | None
+    fine_tuned_model_checkpoint: str
+    path: str
+
 
 INSERT = """
 INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
@@ -63,8 +120,8 @@ WHERE job_id = $1 AND organization_id = $2
 ORDER BY seq DESC LIMIT $4"""
 
 
-async def insert(conn: Conn, **kw: Any) -> asyncpg.Record:
-    return await conn.fetchrow(
+async def insert(conn: Conn, **kw: Any) -> JobRow:
+    record = await conn.fetchrow(
         INSERT,
         new_id("ftjob-"),
         kw["org_id"],
@@ -80,49 +137,48 @@ async def insert(conn: Conn, **kw: Any) -> asyncpg.Record:
         kw["idempotency_key"],
         kw["request_hash"],
     )
+    return row_to(JobRow, record)
 
 
-async def get(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET, job_id, org_id)
+async def get(conn: Conn, *, org_id: str, job_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(GET, job_id, org_id))
 
 
-async def get_any(conn: Conn, *, job_id: str) -> asyncpg.Record | None:
+async def get_any(conn: Conn, *, job_id: str) -> JobRow | None:
     """A job by id alone — for the worker, which acts for every organisation."""
-    return await conn.fetchrow(GET_ANY, job_id)
+    return maybe_row_to(JobRow, await conn.fetchrow(GET_ANY, job_id))
 
 
-async def by_idempotency_key(conn: Conn, *, org_id: str, key: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(BY_IDEMPOTENCY_KEY, org_id, key)
+async def by_idempotency_key(conn: Conn, *, org_id: str, key: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(BY_IDEMPOTENCY_KEY, org_id, key))
 
 
 async def list_page(
     conn: Conn, *, org_id: str, after: str | None, limit: int, metadata: dict[str, str] | None
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST, org_id, after, metadata, limit)
+) -> list[JobRow]:
+    return rows_to(JobRow, await conn.fetch(LIST, org_id, after, metadata, limit))
 
 
-async def to_queued(
-    conn: Conn, *, job_id: str, method: dict[str, Any], total_steps: int
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(TO_QUEUED, job_id, method, total_steps)
+async def to_queued(conn: Conn, *, job_id: str, method: dict[str, Any], total_steps: int) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(TO_QUEUED, job_id, method, total_steps))
 
 
 async def to_failed(
     conn: Conn, *, job_id: str, error: dict[str, Any], from_states: tuple[str, ...]
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(TO_FAILED, job_id, error, list(from_states))
+) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(TO_FAILED, job_id, error, list(from_states)))
 
 
-async def cancel(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(CANCEL, job_id, org_id)
+async def cancel(conn: Conn, *, org_id: str, job_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(CANCEL, job_id, org_id))
 
 
-async def pause(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(PAUSE, job_id, org_id)
+async def pause(conn: Conn, *, org_id: str, job_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(PAUSE, job_id, org_id))
 
 
-async def resume(conn: Conn, *, org_id: str, job_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(RESUME, job_id, org_id)
+async def resume(conn: Conn, *, org_id: str, job_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(RESUME, job_id, org_id))
 
 
 async def add_event(
@@ -144,11 +200,11 @@ async def add_event(
 
 async def list_events(
     conn: Conn, *, org_id: str, job_id: str, after: str | None, limit: int
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_EVENTS, job_id, org_id, after, limit)
+) -> list[EventRow]:
+    return rows_to(EventRow, await conn.fetch(LIST_EVENTS, job_id, org_id, after, limit))
 
 
 async def list_checkpoints(
     conn: Conn, *, org_id: str, job_id: str, after: str | None, limit: int
-) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_CHECKPOINTS, job_id, org_id, after, limit)
+) -> list[CheckpointRow]:
+    return rows_to(CheckpointRow, await conn.fetch(LIST_CHECKPOINTS, job_id, org_id, after, limit))

@@ -20,16 +20,16 @@ async def month_spend_usd(conn: Conn, settings: Settings, *, org_id: str) -> flo
     """Month-to-date (UTC calendar month) spend of an organisation: recorded completions and training."""
     completions, training = await store.month_usage(conn, org_id=org_id)
     total = 0.0
-    for r in completions:
-        total += completion_cost(settings, r["base_model"], r["prompt_tokens"], r["completion_tokens"])
-    for r in training:
-        total += training_cost(settings, r["base_model"], r["trained_tokens"], r["training_seconds"])
+    for c in completions:
+        total += completion_cost(settings, c.base_model, c.prompt_tokens, c.completion_tokens)
+    for t in training:
+        total += training_cost(settings, t.base_model, t.trained_tokens, t.training_seconds)
     return total
 
 
 async def monthly_budget_usd(conn: Conn, *, org_id: str) -> float | None:
     """The organisation's monthly hard limit in USD, None when it has none."""
     row = await store.billing_of_org(conn, org_id=org_id)
-    if row is None or row["monthly_budget_usd"] is None:
+    if row is None or row.monthly_budget_usd is None:
         return None
-    return float(row["monthly_budget_usd"])
+    return float(row.monthly_budget_usd)

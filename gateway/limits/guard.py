@@ -159,17 +159,17 @@ class Guard:
         forgotten = self._forgotten
         policy = OrgPolicy(expires=time.monotonic() + self.settings.limits_cache_ttl_s)
         for row in await store.limits_of_org(self.pool, org_id=org_id):
-            limit = Limit(row["max_requests_per_1_minute"], row["max_tokens_per_1_minute"])
-            if row["api_key_id"]:
+            limit = Limit(row.max_requests_per_1_minute, row.max_tokens_per_1_minute)
+            if row.api_key_id:
                 # A field the key leaves unset falls back to the default, as a key without a row does.
-                policy.keys[row["api_key_id"]] = Limit(
+                policy.keys[row.api_key_id] = Limit(
                     limit.requests or self.default_key.requests, limit.tokens or self.default_key.tokens
                 )
             else:
                 policy.org = limit
         billing = await store.billing_of_org(self.pool, org_id=org_id)
-        if billing is not None and billing["monthly_budget_usd"] is not None:
-            policy.budget_micro = to_micro(billing["monthly_budget_usd"])
+        if billing is not None and billing.monthly_budget_usd is not None:
+            policy.budget_micro = to_micro(billing.monthly_budget_usd)
         if len(self._policies) > 100_000:
             self._policies.clear()
         if forgotten == self._forgotten:  # else a change landed meanwhile: the next request reads it

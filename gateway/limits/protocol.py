@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-import asyncpg
 from pydantic import Field
 
+from gateway.limits.store import LimitsRow
 from gateway.protocol import OpenAIBaseModel
 
 MAX_PER_MINUTE = 2**31 - 1
@@ -31,12 +31,12 @@ class Limits(OpenAIBaseModel):
     max_tokens_per_1_minute: int | None = None
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> Limits:
+    def from_row(cls, row: LimitsRow) -> Limits:
         return cls(
-            organization_id=row["organization_id"],
-            api_key_id=row["api_key_id"],
-            max_requests_per_1_minute=row["max_requests_per_1_minute"],
-            max_tokens_per_1_minute=row["max_tokens_per_1_minute"],
+            organization_id=row.organization_id,
+            api_key_id=row.api_key_id,
+            max_requests_per_1_minute=row.max_requests_per_1_minute,
+            max_tokens_per_1_minute=row.max_tokens_per_1_minute,
         )
 
 

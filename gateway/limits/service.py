@@ -45,8 +45,8 @@ async def get_billing(res: Resources, org_id: str) -> BillingSettings:
     spent = await res.guard.month_spend_micro(org_id) / 1e6
     return BillingSettings(
         organization_id=org_id,
-        monthly_budget_usd=row["monthly_budget_usd"] if row else None,
-        stripe_customer_id=row["stripe_customer_id"] if row else None,
+        monthly_budget_usd=row.monthly_budget_usd if row else None,
+        stripe_customer_id=row.stripe_customer_id if row else None,
         month_to_date_usd=spent,
     )
 
@@ -71,7 +71,7 @@ async def get_limits(res: Resources, org_id: str) -> OrgLimits:
     org = Limits(organization_id=org_id)
     keys: list[Limits] = []
     for row in await store.limits_of_org(res.pool, org_id=org_id):
-        if row["api_key_id"]:
+        if row.api_key_id:
             keys.append(Limits.from_row(row))
         else:
             org = Limits.from_row(row)

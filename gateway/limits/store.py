@@ -1,10 +1,46 @@
-"""Rate limits, budgets and Stripe customers: plain SQL."""
+"""Rate limits, budgets and Stripe customers: plain SQL, and the frozen rows it returns."""
 
 from __future__ import annotations
 
-import asyncpg
+from dataclasses import dataclass
 
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsRow:
+    """Per-minute limits of an organisation (`api_key_id` None) or of one of its keys; None: no limit set."""
+
+    organization_id: str
+    api_key_id: str | None
+    max_requests_per_1_minute: int | None
+    max_tokens_per_1_minute: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class BillingRow:
+    organization_id: str
+    monthly_budget_usd: float | None
+    stripe_customer_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class MonthCompletions:
+    """Month-to-date completion tokens of one base model."""
+
+    base_model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MonthTraining:
+    """Month-to-date training of one base model."""
+
+    base_model: str
+    trained_tokens: int
+    training_seconds: float
+
 
 UPSERT_LIMITS = """
 INSERT INTO rate_limits (subject, organization_id, api_key_id, max_requests_per_1_minute,
@@ -43,13 +79,13 @@ GROUP BY base_model"""
 
 async def set_limits(
     conn: Conn, *, org_id: str, key_id: str | None, requests: int | None, tokens: int | None
-) -> asyncpg.Record:
+) -> LimitsRow:
     subject = f"key:{key_id}" if key_id else f"org:{org_id}"
-    return await conn.fetchrow(UPSERT_LIMITS, subject, org_id, key_id, requests, tokens)
+    return row_to(LimitsRow, await conn.fetchrow(UPSERT_LIMITS, subject, org_id, key_id, requests, tokens))
 
 
-async def limits_of_org(conn: Conn, *, org_id: str) -> list[asyncpg.Record]:
-    return await conn.fetch(LIMITS_OF_ORG, org_id)
+async def limits_of_org(conn: Conn, *, org_id: str) -> list[LimitsRow]:
+    return rows_to(LimitsRow, await conn.fetch(LIMITS_OF_ORG, org_id))
 
 
 async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
@@ -64,14 +100,17 @@ async def set_billing(
     set_budget: bool,
     customer: str | None,
     set_customer: bool,
-) -> asyncpg.Record:
-    return await conn.fetchrow(UPSERT_BILLING, org_id, budget, customer, set_budget, set_customer)
+) -> BillingRow:
+    return row_to(
+        BillingRow, await conn.fetchrow(UPSERT_BILLING, org_id, budget, customer, set_budget, set_customer)
+    )
 
 
-async def billing_of_org(conn: Conn, *, org_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(BILLING_OF_ORG, org_id)
+async def billing_of_org(conn: Conn, *, org_id: str) -> BillingRow | None:
+    return maybe_row_to(BillingRow, await conn.fetchrow(BILLING_OF_ORG, org_id))
 
 
-async def month_usage(conn: Conn, *, org_id: str) -> tuple[list[asyncpg.Record], list[asyncpg.Record]]:
+async def month_usage(conn: Conn, *, org_id: str) -> tuple[list[MonthCompletions], list[MonthTraining]]:
     """Month-to-date completion and training usage of an organisation, by base model."""
-    return await conn.fetch(MONTH_COMPLETIONS, org_id), await conn.fetch(MONTH_TRAINING, org_id)
+    completions = rows_to(MonthCompletions, await conn.fetch(MONTH_COMPLETIONS, org_id))
+    return completions, rows_to(MonthTraining, await conn.fetch(MONTH_TRAINING, org_id))

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from gateway.deps import PrincipalDep, ResourcesDep
 from gateway.errors import PermissionDenied, not_found
 from gateway.models import store
+from gateway.models.store import ModelRow
 from gateway.protocol import OpenAIBaseModel
 from gateway.serving.service import forget_model
 from gateway.timeutil import ts
@@ -21,6 +22,10 @@ class Model(OpenAIBaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+
+    @classmethod
+    def from_row(cls, row: ModelRow) -> Model:
+        return cls(id=row.id, created=ts(row.created_at) or 0, owned_by=row.organization_id)
 
 
 class ModelList(OpenAIBaseModel):
@@ -45,10 +50,7 @@ def _base_models(res: ResourcesDep) -> list[Model]:
 @router.get("")
 async def list_models(res: ResourcesDep, who: PrincipalDep) -> ModelList:
     own = await store.list_for_org(res.pool, org_id=who.organization_id)
-    return ModelList(
-        data=_base_models(res)
-        + [Model(id=r["id"], created=ts(r["created_at"]) or 0, owned_by=r["organization_id"]) for r in own]
-    )
+    return ModelList(data=_base_models(res) + [Model.from_row(r) for r in own])
 
 
 @router.get("/{model_id:path}")
@@ -59,7 +61,7 @@ async def retrieve_model(model_id: str, res: ResourcesDep, who: PrincipalDep) ->
     row = await store.get(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    return Model(id=row["id"], created=ts(row["created_at"]) or 0, owned_by=row["organization_id"])
+    return Model.from_row(row)
 
 
 @router.delete("/{model_id:path}")
@@ -69,5 +71,5 @@ async def delete_model(model_id: str, res: ResourcesDep, who: PrincipalDep) -> M
     row = await store.delete(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    await forget_model(res, model_id, row["base_model"])
+    await forget_model(res, model_id, row.base_model)  # stops answering at once, leaves the engines
     return ModelDeleted(id=model_id)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.db import ping
 from gateway.deps import Resources, ResourcesDep
 from gateway.worker.presence import alive_workers
 
@@ -36,7 +37,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(res: ResourcesDep) -> Response:
     checks: dict[str, str] = {}
     try:
-        await asyncio.wait_for(res.pool.fetchval("SELECT 1"), 2.0)
+        await asyncio.wait_for(ping(res.pool), 2.0)
         checks["database"] = "ok"
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         checks["database"] = f"error: {type(exc).__name__}"

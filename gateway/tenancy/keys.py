@@ -91,11 +91,11 @@ class Authenticator:
         if row is None:
             self._cache.pop(digest, None)
             return None
-        principal = Principal(row["organization_id"], row["id"], row["kind"])
+        principal = Principal(row.organization_id, row.id, row.kind)
         if len(self._cache) > 100_000:
             self._cache.clear()
         if forgotten == self._forgotten:  # else a key was revoked meanwhile: look again next time
-            ttl = self._ttl if row["expires_in_s"] is None else min(self._ttl, row["expires_in_s"])
+            ttl = self._ttl if row.expires_in_s is None else min(self._ttl, row.expires_in_s)
             self._cache[digest] = (time.monotonic() + ttl, principal)
         return principal
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import asyncpg
 from pydantic import Field
 
 from gateway.protocol import OpenAIBaseModel
+from gateway.tenancy.store import KeyRow, OrgRow
 from gateway.timeutil import ts as _ts
 
 
@@ -22,8 +22,8 @@ class Organization(OpenAIBaseModel):
     created_at: int
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record) -> Organization:
-        return cls(id=row["id"], name=row["name"], created_at=_ts(row["created_at"]) or 0)
+    def from_row(cls, row: OrgRow) -> Organization:
+        return cls(id=row.id, name=row.name, created_at=_ts(row.created_at) or 0)
 
 
 class ApiKeyCreate(OpenAIBaseModel):
@@ -47,16 +47,16 @@ class ApiKey(OpenAIBaseModel):
     """The plaintext key: present only in the response that created it."""
 
     @classmethod
-    def from_row(cls, row: asyncpg.Record, *, key: str | None = None) -> ApiKey:
+    def from_row(cls, row: KeyRow, *, key: str | None = None) -> ApiKey:
         return cls(
-            id=row["id"],
-            organization_id=row["organization_id"],
-            name=row["name"],
-            redacted_value=row["display_prefix"],
-            created_at=_ts(row["created_at"]) or 0,
-            last_used_at=_ts(row["last_used_at"]),
-            revoked_at=_ts(row["revoked_at"]),
-            kind=row["kind"],
-            expires_at=_ts(row["expires_at"]),
+            id=row.id,
+            organization_id=row.organization_id,
+            name=row.name,
+            redacted_value=row.display_prefix,
+            created_at=_ts(row.created_at) or 0,
+            last_used_at=_ts(row.last_used_at),
+            revoked_at=_ts(row.revoked_at),
+            kind=row.kind,
+            expires_at=_ts(row.expires_at),
             key=key,
         )

@@ -54,7 +54,7 @@ async def mint(conn: Conn, *, org_id: str, kind: str, name: str, ttl_s: float) -
     row = await store.create_key(
         conn, org_id=org_id, name=name, display_prefix=display, digest=digest, kind=kind, ttl_s=ttl_s
     )
-    return MintedKey(row["id"], org_id, kind, plaintext)
+    return MintedKey(row.id, org_id, kind, plaintext)
 
 
 async def renew(conn: Conn, key_id: str, *, ttl_s: float) -> bool:

@@ -1,11 +1,46 @@
-"""Organisations and API keys: plain SQL."""
+"""Organisations and API keys: plain SQL, and the frozen rows it returns."""
 
 from __future__ import annotations
 
-import asyncpg
+from dataclasses import dataclass
+from datetime import datetime
 
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
 from gateway.ids import new_id
+
+
+@dataclass(frozen=True, slots=True)
+class OrgRow:
+    id: str
+    name: str
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRow:
+    """An API key as the admin API shows it (never its digest)."""
+
+    id: str
+    organization_id: str
+    name: str | None
+    display_prefix: str
+    kind: str
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    expires_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveKey:
+    """A key found by its digest: not revoked, not expired (the per-request lookup)."""
+
+    id: str
+    organization_id: str
+    kind: str
+    expires_in_s: float | None
+    """Seconds until it expires; None when it never does."""
+
 
 INSERT_ORG = "INSERT INTO organizations (id, name) VALUES ($1, $2) RETURNING *"
 GET_ORG = "SELECT * FROM organizations WHERE id = $1"
@@ -31,16 +66,16 @@ WHERE id = $1 AND revoked_at IS NULL AND expires_at IS NOT NULL RETURNING id"""
 TOUCH_KEYS = "UPDATE api_keys SET last_used_at = now() WHERE id = ANY($1::text[])"
 
 
-async def create_org(conn: Conn, *, name: str) -> asyncpg.Record:
-    return await conn.fetchrow(INSERT_ORG, new_id("org-"), name)
+async def create_org(conn: Conn, *, name: str) -> OrgRow:
+    return row_to(OrgRow, await conn.fetchrow(INSERT_ORG, new_id("org-"), name))
 
 
-async def get_org(conn: Conn, *, org_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_ORG, org_id)
+async def get_org(conn: Conn, *, org_id: str) -> OrgRow | None:
+    return maybe_row_to(OrgRow, await conn.fetchrow(GET_ORG, org_id))
 
 
-async def list_orgs(conn: Conn) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_ORGS)
+async def list_orgs(conn: Conn) -> list[OrgRow]:
+    return rows_to(OrgRow, await conn.fetch(LIST_ORGS))
 
 
 async def create_key(
@@ -52,18 +87,21 @@ async def create_key(
     digest: bytes,
     kind: str = "user",
     ttl_s: float | None = None,
-) -> asyncpg.Record:
+) -> KeyRow:
     """A key row; with `ttl_s`, one that expires that many seconds from now."""
-    return await conn.fetchrow(INSERT_KEY, new_id("key_"), org_id, name, display_prefix, digest, kind, ttl_s)
+    record = await conn.fetchrow(
+        INSERT_KEY, new_id("key_"), org_id, name, display_prefix, digest, kind, ttl_s
+    )
+    return row_to(KeyRow, record)
 
 
-async def list_keys(conn: Conn, *, org_id: str, kind: str | None = "user") -> list[asyncpg.Record]:
+async def list_keys(conn: Conn, *, org_id: str, kind: str | None = "user") -> list[KeyRow]:
     """An organisation's keys of one kind (None: of every kind)."""
-    return await conn.fetch(LIST_KEYS, org_id, kind)
+    return rows_to(KeyRow, await conn.fetch(LIST_KEYS, org_id, kind))
 
 
-async def revoke_key(conn: Conn, *, key_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(REVOKE_KEY, key_id)
+async def revoke_key(conn: Conn, *, key_id: str) -> KeyRow | None:
+    return maybe_row_to(KeyRow, await conn.fetchrow(REVOKE_KEY, key_id))
 
 
 async def renew_key(conn: Conn, *, key_id: str, ttl_s: float) -> bool:
@@ -71,8 +109,8 @@ async def renew_key(conn: Conn, *, key_id: str, ttl_s: float) -> bool:
     return await conn.fetchval(RENEW_KEY, key_id, ttl_s) is not None
 
 
-async def key_by_digest(conn: Conn, *, digest: bytes) -> asyncpg.Record | None:
-    return await conn.fetchrow(KEY_BY_DIGEST, digest)
+async def key_by_digest(conn: Conn, *, digest: bytes) -> LiveKey | None:
+    return maybe_row_to(LiveKey, await conn.fetchrow(KEY_BY_DIGEST, digest))
 
 
 async def touch_keys(conn: Conn, *, key_ids: list[str]) -> None:

@@ -13,16 +13,38 @@ logger = logging.getLogger(__name__)
 MILLION = 1_000_000.0
 
 
+def input_cost(settings: Settings, base_model: str, prompt_tokens: int) -> float:
+    """USD for prompt tokens."""
+    return prompt_tokens * settings.price_of(base_model).input_per_million / MILLION
+
+
+def output_cost(settings: Settings, base_model: str, completion_tokens: int) -> float:
+    """USD for completion tokens."""
+    return completion_tokens * settings.price_of(base_model).output_per_million / MILLION
+
+
+def training_tokens_cost(settings: Settings, base_model: str, trained_tokens: int) -> float:
+    """USD for trained tokens."""
+    return trained_tokens * settings.price_of(base_model).training_per_million / MILLION
+
+
+def training_time_cost(settings: Settings, base_model: str, seconds: float) -> float:
+    """USD for time in the core training loop."""
+    return seconds / 3600.0 * settings.price_of(base_model).training_per_hour
+
+
 def completion_cost(settings: Settings, base_model: str, prompt_tokens: int, completion_tokens: int) -> float:
     """USD for one completion's tokens."""
-    price = settings.price_of(base_model)
-    return (prompt_tokens * price.input_per_million + completion_tokens * price.output_per_million) / MILLION
+    return input_cost(settings, base_model, prompt_tokens) + output_cost(
+        settings, base_model, completion_tokens
+    )
 
 
 def training_cost(settings: Settings, base_model: str, trained_tokens: int, seconds: float) -> float:
     """USD for training progress: trained tokens plus core-loop time."""
-    price = settings.price_of(base_model)
-    return trained_tokens * price.training_per_million / MILLION + seconds / 3600.0 * price.training_per_hour
+    return training_tokens_cost(settings, base_model, trained_tokens) + training_time_cost(
+        settings, base_model, seconds
+    )
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:

@@ -7,7 +7,7 @@ usage; the admin key reads any, naming it with the `organization_id` query param
 from __future__ import annotations
 
 import hmac
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query
 
@@ -15,6 +15,7 @@ from gateway.deps import ResourcesDep, authenticate_person
 from gateway.errors import InvalidRequest
 from gateway.tenancy.keys import bearer_token
 from gateway.usage import service
+from gateway.usage.protocol import CompletionsUsageResult, CostsResult, UsagePage
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"])
 
@@ -43,7 +44,7 @@ async def usage_completions(
     limit: int | None = None,
     page: str | None = None,
     organization_id: str | None = None,
-) -> dict[str, Any]:
+) -> UsagePage[CompletionsUsageResult]:
     org = await _organization(res, authorization, organization_id)
     return await service.completions(
         res.pool,
@@ -71,7 +72,7 @@ async def organization_costs(
     limit: int | None = None,
     page: str | None = None,
     organization_id: str | None = None,
-) -> dict[str, Any]:
+) -> UsagePage[CostsResult]:
     org = await _organization(res, authorization, organization_id)
     return await service.costs(
         res.pool,

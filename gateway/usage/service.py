@@ -16,7 +16,21 @@ import asyncpg
 from gateway.errors import InvalidRequest
 from gateway.settings import Settings
 from gateway.usage import store
-from gateway.usage.pricing import MILLION
+from gateway.usage.pricing import (
+    input_cost,
+    output_cost,
+    training_cost,
+    training_time_cost,
+    training_tokens_cost,
+)
+from gateway.usage.protocol import (
+    Bucket,
+    CompletionsUsageResult,
+    CostAmount,
+    CostsLineItem,
+    CostsResult,
+    UsagePage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +83,19 @@ def _window(
     return width, first, page_end, end, n, page_end < end
 
 
-def _page(data: list[dict[str, Any]], page_end: datetime, has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "page",
-        "data": data,
-        "has_more": has_more,
-        "next_page": str(int(page_end.timestamp())) if has_more else None,
-    }
-
-
-def _buckets(first: datetime, page_end: datetime, width: timedelta) -> list[dict[str, Any]]:
-    out = []
+def _buckets(first: datetime, page_end: datetime, width: timedelta) -> list[Bucket[Any]]:
+    out: list[Bucket[Any]] = []
     t, end, step = int(first.timestamp()), page_end.timestamp(), int(width.total_seconds())
     while t < end:
-        out.append({"object": "bucket", "start_time": t, "end_time": int(min(t + step, end)), "results": []})
+        out.append(Bucket(start_time=t, end_time=int(min(t + step, end))))
         t += step
     return out
+
+
+def _page(data: list[Bucket[Any]], page_end: datetime, has_more: bool) -> UsagePage[Any]:
+    return UsagePage(
+        data=data, has_more=has_more, next_page=str(int(page_end.timestamp())) if has_more else None
+    )
 
 
 async def completions(
@@ -99,7 +110,7 @@ async def completions(
     api_key_ids: list[str] | None,
     limit: int | None,
     page: str | None,
-) -> dict[str, Any]:
+) -> UsagePage[CompletionsUsageResult]:
     """`GET /v1/organization/usage/completions`."""
     bad = [g for g in group_by if g not in store.GROUPABLE]
     if bad:
@@ -116,23 +127,16 @@ async def completions(
         api_key_ids=api_key_ids or None,
     )
     buckets = _buckets(first, page_end, width)
-    by_start = {b["start_time"]: b for b in buckets}
+    by_start = {b.start_time: b for b in buckets}
     for r in rows:
-        result: dict[str, Any] = {
-            "object": "organization.usage.completions.result",
-            "input_tokens": r["input_tokens"],
-            "output_tokens": r["output_tokens"],
-            "input_cached_tokens": 0,
-            "input_audio_tokens": 0,
-            "output_audio_tokens": 0,
-            "num_model_requests": r["num_model_requests"],
-            "project_id": None,
-            "user_id": None,
-            "api_key_id": r["api_key_id"] if "api_key_id" in group_by else None,
-            "model": r["model"] if "model" in group_by else None,
-            "batch": None,
-        }
-        by_start[int(r["bucket"].timestamp())]["results"].append(result)
+        result = CompletionsUsageResult(
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            num_model_requests=r.num_model_requests,
+            api_key_id=r.api_key_id,
+            model=r.model,
+        )
+        by_start[int(r.bucket.timestamp())].results.append(result)
     return _page(buckets, page_end, has_more)
 
 
@@ -147,7 +151,7 @@ async def costs(
     group_by: list[str],
     limit: int | None,
     page: str | None,
-) -> dict[str, Any]:
+) -> UsagePage[CostsResult]:
     """`GET /v1/organization/costs`: amounts from the price table; `group_by=line_item` splits them into
     `<base model>, input|output|training tokens|training hours`."""
     bad = [g for g in group_by if g != "line_item"]
@@ -162,56 +166,52 @@ async def costs(
         old = lines[key].get(item, (0.0, 0.0, unit))
         lines[key][item] = (old[0] + amount, old[1] + quantity, unit)
 
-    for r in done:
-        price = settings.price_of(r["base_model"])
-        model, prompt, completion = r["base_model"], r["prompt_tokens"], r["completion_tokens"]
-        add(r["bucket"], f"{model}, input", prompt * price.input_per_million / MILLION, prompt, "tokens")
+    for c in done:
+        model = c.base_model
         add(
-            r["bucket"],
+            c.bucket,
+            f"{model}, input",
+            input_cost(settings, model, c.prompt_tokens),
+            c.prompt_tokens,
+            "tokens",
+        )
+        add(
+            c.bucket,
             f"{model}, output",
-            completion * price.output_per_million / MILLION,
-            completion,
+            output_cost(settings, model, c.completion_tokens),
+            c.completion_tokens,
             "tokens",
         )
-    for r in trained:
-        price = settings.price_of(r["base_model"])
-        model, tokens = r["base_model"], r["trained_tokens"]
+    for t in trained:
+        model = t.base_model
         add(
-            r["bucket"],
+            t.bucket,
             f"{model}, training tokens",
-            tokens * price.training_per_million / MILLION,
-            tokens,
+            training_tokens_cost(settings, model, t.trained_tokens),
+            t.trained_tokens,
             "tokens",
         )
-        hours = r["training_seconds"] / 3600.0
+        hours = t.training_seconds / 3600.0
         add(
-            r["bucket"], f"{r['base_model']}, training hours", hours * price.training_per_hour, hours, "hours"
+            t.bucket,
+            f"{model}, training hours",
+            training_time_cost(settings, model, t.training_seconds),
+            hours,
+            "hours",
         )
-    buckets = _buckets(first, page_end, width)
+    buckets: list[Bucket[CostsResult]] = _buckets(first, page_end, width)
     for b in buckets:
-        items = lines.get(b["start_time"], {})
+        items = lines.get(b.start_time, {})
         if "line_item" in group_by:
-            b["results"] = [
-                {
-                    "object": "organization.costs.result",
-                    "amount": {"value": amount, "currency": "usd"},
-                    "line_item": item,
-                    "project_id": None,
-                    "quantity": quantity,
-                    "quantity_unit": unit,
-                }
+            b.results = [
+                CostsLineItem(
+                    amount=CostAmount(value=amount), line_item=item, quantity=quantity, quantity_unit=unit
+                )
                 for item, (amount, quantity, unit) in sorted(items.items())
             ]
         elif items:
             total = sum(a for a, _, _ in items.values())
-            b["results"] = [
-                {
-                    "object": "organization.costs.result",
-                    "amount": {"value": total, "currency": "usd"},
-                    "line_item": None,
-                    "project_id": None,
-                }
-            ]
+            b.results = [CostsResult(amount=CostAmount(value=total))]
     return _page(buckets, page_end, has_more)
 
 
@@ -221,15 +221,11 @@ async def job_usage(
     """`{job id: {trained_tokens, training_seconds, steps, cost_usd}}` for jobs with recorded progress."""
     out: dict[str, Any] = {}
     for r in await store.job_usage(pool, org_id=org_id, job_ids=job_ids):
-        price = settings.price_of(r["base_model"])
-        cost = (
-            r["trained_tokens"] * price.training_per_million / MILLION
-            + r["training_seconds"] / 3600.0 * price.training_per_hour
-        )
-        out[r["job_id"]] = {
-            "trained_tokens": int(r["trained_tokens"]),
-            "training_seconds": round(float(r["training_seconds"]), 3),
-            "steps": int(r["steps"]),
+        cost = training_cost(settings, r.base_model, r.trained_tokens, r.training_seconds)
+        out[r.job_id] = {
+            "trained_tokens": int(r.trained_tokens),
+            "training_seconds": round(float(r.training_seconds), 3),
+            "steps": int(r.steps),
             "cost_usd": round(cost, 6),
         }
     return out

@@ -31,15 +31,16 @@ import httpx
 from envsdk.graders import make_sample
 from envsdk.inference_client import InferenceClient
 from envsdk.python_grader import PythonGraders
-from gateway.blobstore import BlobStore
 from gateway.errors import InvalidRequest
 from gateway.evals import store
 from gateway.evals.datasource import Row, render_messages, rows_of_content, rows_of_file
 from gateway.evals.grading import Summary, add_usage, grade_item, item_status
+from gateway.evals.rows import RunRow
 from gateway.files import store as files_store
 from gateway.queue import RUN_EVAL, enqueue
 from gateway.settings import Settings
 from gateway.tenancy import scoped
+from gateway.worker.context import JobContext
 
 logger = logging.getLogger(__name__)
 
@@ -77,18 +78,10 @@ def _seconds(value: str | None) -> float | None:
 class EvalRunExecution:
     """One claimed run, from its items to its end."""
 
-    def __init__(
-        self, run: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, settings: Settings, worker_id: str
-    ) -> None:
-        self.run = run
-        self.run_id: str = run["id"]
-        self.org_id: str = run["organization_id"]
-        self.pool = pool
-        self.blobs = blobs
-        self.settings = settings
-        self.worker_id = worker_id
-        self.criteria: list[dict[str, Any]] = run["testing_criteria"]
-        self.source: dict[str, Any] = run["data_source"]
+    def __init__(self, ctx: JobContext[RunRow]) -> None:
+        self.ctx = ctx
+        self.criteria: list[dict[str, Any]] = ctx.row.testing_criteria
+        self.source: dict[str, Any] = ctx.row.data_source
         self.summary = Summary([c["name"] for c in self.criteria])
         self.stopped: str | None = None
         """Why no new item starts: the run's status when it left `in_progress` (`canceled`), or `lost`."""
@@ -97,9 +90,15 @@ class EvalRunExecution:
     async def execute(self) -> str:
         """Sample and grade every item the run lacks; returns how the run ended."""
         async with scoped.minted(
-            self.pool, org_id=self.org_id, kind="eval", name=f"eval run {self.run_id}", ttl_s=KEY_TTL_S
+            self.ctx.pool,
+            org_id=self.ctx.org_id,
+            kind="eval",
+            name=f"eval run {self.ctx.id}",
+            ttl_s=KEY_TTL_S,
         ) as key:
-            await store.set_worker_key(self.pool, run_id=self.run_id, worker_id=self.worker_id, key_id=key.id)
+            await store.set_worker_key(
+                self.ctx.pool, run_id=self.ctx.id, worker_id=self.ctx.worker_id, key_id=key.id
+            )
             heartbeat = asyncio.create_task(self._heartbeat(key.id))
             try:
                 return await self._execute(key.secret)
@@ -116,15 +115,15 @@ class EvalRunExecution:
                 "failed", {"code": exc.code or "invalid_data_source", "message": exc.message}
             )
         done = set()
-        for row in await store.done_items(self.pool, run_id=self.run_id):
-            done.add(row["datasource_item_id"])
-            self.summary.add(row["status"], row["results"], row["usage"], row["sample_error"])
+        for item in await store.done_items(self.ctx.pool, run_id=self.ctx.id):
+            done.add(item.datasource_item_id)
+            self.summary.add(item.status, item.results, item.usage, item.sample_error)
         pending = iter([(i, row) for i, row in enumerate(rows) if i not in done])
-        gateway = self.settings.internal_gateway_url()
+        gateway = self.ctx.settings.internal_gateway_url()
         inference = InferenceClient(f"{gateway}/v1", api_key=secret, timeout=SAMPLE_TIMEOUT_S)
         python = PythonGraders(
-            allow_unsandboxed=self.settings.allow_unsandboxed_environments,
-            maxima=self.settings.sandbox_maxima(),
+            allow_unsandboxed=self.ctx.settings.allow_unsandboxed_environments,
+            maxima=self.ctx.settings.sandbox_maxima(),
         )
         http = httpx.AsyncClient(
             base_url=gateway, headers={"Authorization": f"Bearer {secret}"}, timeout=SAMPLE_TIMEOUT_S
@@ -150,30 +149,32 @@ class EvalRunExecution:
         source = self.source["source"]
         if source["type"] == "file_content":
             return rows_of_content(source["content"])
-        file = await files_store.get(self.pool, org_id=self.org_id, file_id=source["id"])
+        file = await files_store.get(self.ctx.pool, org_id=self.ctx.org_id, file_id=source["id"])
         if file is None:
             raise InvalidRequest(
                 f"File '{source['id']}' was deleted before the run read it.", code="invalid_file"
             )
-        path = self.blobs.path(file["blob_key"])
-        max_line = self.settings.max_jsonl_line_bytes
+        path = self.ctx.blobs.path(file.blob_key)
+        max_line = self.ctx.settings.max_jsonl_line_bytes
         return await asyncio.to_thread(lambda: rows_of_file(path, max_line_bytes=max_line))
 
     async def _heartbeat(self, key_id: str) -> None:
         renewed = time.monotonic()
         while self.stopped is None:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await asyncio.sleep(self.ctx.settings.heartbeat_interval_s)
             try:
-                status = await store.heartbeat_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+                status = await store.heartbeat_run(
+                    self.ctx.pool, run_id=self.ctx.id, worker_id=self.ctx.worker_id
+                )
                 if time.monotonic() - renewed > KEY_TTL_S / 3:
-                    await scoped.renew(self.pool, key_id, ttl_s=KEY_TTL_S)
+                    await scoped.renew(self.ctx.pool, key_id, ttl_s=KEY_TTL_S)
                     renewed = time.monotonic()
             except (OSError, asyncpg.PostgresError) as exc:
-                logger.warning("eval run %s: heartbeat failed: %s", self.run_id, exc)
+                logger.warning("eval run %s: heartbeat failed: %s", self.ctx.id, exc)
                 continue
             if status != "in_progress":
                 self.stopped = status or "lost"
-                logger.info("eval run %s: stopping (%s)", self.run_id, self.stopped)
+                logger.info("eval run %s: stopping (%s)", self.ctx.id, self.stopped)
 
     async def _sample(
         self, http: httpx.AsyncClient, body: dict[str, Any]
@@ -228,11 +229,11 @@ class EvalRunExecution:
             namespace = {**make_sample(text), **given}
         else:
             messages = render_messages(self.source["input_messages"], row.item, index=index)
-            body = {"model": self.run["model"], "messages": messages, **sampling}
+            body = {"model": self.ctx.row.model, "messages": messages, **sampling}
             reply, error = await self._sample(http, body)
             sample, namespace = self._sample_record(messages, sampling, reply, error)
             if reply is not None:
-                add_usage(usage, self.run["model"], reply.get("usage") or {}, invocations=1)
+                add_usage(usage, self.ctx.row.model, reply.get("usage") or {}, invocations=1)
         if sample["error"] is None:
             results, grader_usage = await asyncio.to_thread(
                 grade_item,
@@ -241,16 +242,16 @@ class EvalRunExecution:
                 row.item,
                 inference=inference,
                 python=python,
-                max_text_chars=self.settings.grader_max_text_chars,
+                max_text_chars=self.ctx.settings.grader_max_text_chars,
             )
             for model, tokens in grader_usage.items():
                 add_usage(usage, model, tokens, invocations=tokens["invocation_count"])
         status = item_status(results, sample["error"])
         async with self._write:
             written = await store.insert_item(
-                self.pool,
-                run_id=self.run_id,
-                worker_id=self.worker_id,
+                self.ctx.pool,
+                run_id=self.ctx.id,
+                worker_id=self.ctx.worker_id,
                 index=index,
                 item=row.item,
                 status=status,
@@ -259,7 +260,9 @@ class EvalRunExecution:
                 usage=usage,
             )
             if not written:  # canceled, deleted or taken back (else a duplicate): start no other item
-                now = await store.heartbeat_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+                now = await store.heartbeat_run(
+                    self.ctx.pool, run_id=self.ctx.id, worker_id=self.ctx.worker_id
+                )
                 if now != "in_progress":
                     self.stopped = self.stopped or now or "lost"
                 return
@@ -286,7 +289,7 @@ class EvalRunExecution:
             "input": [{"role": m["role"], "content": m.get("content")} for m in messages],
             "output": [{"role": "assistant", "content": text}] if reply is not None else [],
             "finish_reason": choice.get("finish_reason") or "",
-            "model": (reply or {}).get("model", self.run["model"]),
+            "model": (reply or {}).get("model", self.ctx.row.model),
             "usage": {
                 "prompt_tokens": int(usage.get("prompt_tokens") or 0),
                 "completion_tokens": int(usage.get("completion_tokens") or 0),
@@ -305,9 +308,9 @@ class EvalRunExecution:
 
     async def _save_summary(self, conn: asyncpg.Connection | None = None) -> None:
         await store.update_summary(
-            conn or self.pool,
-            run_id=self.run_id,
-            worker_id=self.worker_id,
+            conn or self.ctx.pool,
+            run_id=self.ctx.id,
+            worker_id=self.ctx.worker_id,
             result_counts=self.summary.result_counts(),
             per_testing_criteria_results=self.summary.per_testing_criteria_results(),
             per_model_usage=self.summary.per_model_usage(),
@@ -319,7 +322,7 @@ class EvalRunExecution:
         if self.stopped is not None:  # canceled: keep what was graded, let the run go
             async with self._write:
                 await self._save_summary()
-            await store.release_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+            await store.release_run(self.ctx.pool, run_id=self.ctx.id, worker_id=self.ctx.worker_id)
             return self.stopped
         if self.summary.all_errored():
             first = self.summary.first_error or {"code": "all_items_errored", "message": "every item errored"}
@@ -328,13 +331,13 @@ class EvalRunExecution:
         return await self._finish("completed", None)
 
     async def _finish(self, status: str, error: dict[str, Any] | None) -> str:
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
             await self._save_summary(conn)
             row = await store.finish_run(
-                conn, run_id=self.run_id, worker_id=self.worker_id, status=status, error=error
+                conn, run_id=self.ctx.id, worker_id=self.ctx.worker_id, status=status, error=error
             )
         if row is None:  # canceled or taken back at the last moment
-            await store.release_run(self.pool, run_id=self.run_id, worker_id=self.worker_id)
+            await store.release_run(self.ctx.pool, run_id=self.ctx.id, worker_id=self.ctx.worker_id)
             return "lost"
         return status
 
@@ -353,7 +356,7 @@ async def run_eval(ctx: dict[str, Any], run_id: str) -> str:
         if run is None:
             return "nothing to claim"
         execution = EvalRunExecution(
-            run, pool=ctx["pool"], blobs=ctx["blobs"], settings=ctx["settings"], worker_id=ctx["worker_id"]
+            JobContext(run, ctx["worker_id"], ctx["pool"], ctx["blobs"], ctx["settings"])
         )
         try:
             return await execution.execute()
@@ -378,7 +381,7 @@ async def _hand_back(ctx: dict[str, Any], run_id: str) -> None:
         await store.release_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
     else:
         await enqueue(
-            ctx["redis"], ctx["settings"].queue_name, run_id, row["queue_generation"], function=RUN_EVAL
+            ctx["redis"], ctx["settings"].queue_name, run_id, row.queue_generation, function=RUN_EVAL
         )
 
 
@@ -387,7 +390,7 @@ async def requeue_missed_runs(ctx: dict[str, Any]) -> int:
     sent = 0
     for row in await store.queued_unclaimed_runs(ctx["pool"]):
         if await enqueue(
-            ctx["redis"], ctx["settings"].queue_name, row["id"], row["queue_generation"], function=RUN_EVAL
+            ctx["redis"], ctx["settings"].queue_name, row.id, row.queue_generation, function=RUN_EVAL
         ):
             sent += 1
     return sent
@@ -400,20 +403,20 @@ async def reap_stale_runs(ctx: dict[str, Any]) -> int:
     pool: asyncpg.Pool = ctx["pool"]
     reaped = 0
     for row in await store.stale_runs(pool, after_s=settings.stale_after_s):
-        if row["worker_key_id"]:
-            await scoped.revoke(pool, row["worker_key_id"])
-        if row["attempts"] >= settings.max_attempts:
-            message = f"The run's worker was lost {row['attempts']} times; giving up."
+        if row.worker_key_id:
+            await scoped.revoke(pool, row.worker_key_id)
+        if row.attempts >= settings.max_attempts:
+            message = f"The run's worker was lost {row.attempts} times; giving up."
             error = {"code": "max_attempts_exceeded", "message": message}
-            if await store.fail_stale_run(pool, run_id=row["id"], worker_id=row["worker_id"], error=error):
+            if await store.fail_stale_run(pool, run_id=row.id, worker_id=row.worker_id, error=error):
                 reaped += 1
             continue
-        requeued = await store.requeue_stale_run(pool, run_id=row["id"], worker_id=row["worker_id"])
+        requeued = await store.requeue_stale_run(pool, run_id=row.id, worker_id=row.worker_id)
         if requeued is None:
             continue
         reaped += 1
-        if requeued["status"] == "queued":
+        if requeued.status == "queued":
             await enqueue(
-                ctx["redis"], settings.queue_name, row["id"], requeued["queue_generation"], function=RUN_EVAL
+                ctx["redis"], settings.queue_name, row.id, requeued.queue_generation, function=RUN_EVAL
             )
     return reaped

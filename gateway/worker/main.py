@@ -28,6 +28,7 @@ from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.worker import presence, store
+from gateway.worker.context import JobContext
 from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
 from gateway.worker.resilience import Worker
@@ -100,20 +101,13 @@ async def run_job(ctx: dict[str, Any], job_id: str) -> str:
             )
             if job is None:
                 return "nothing to claim"
-            method = job["method"]
-            taken = devices.take(devices_of_job(method) + generation_devices(settings, method["type"]))
+            taken = devices.take(
+                devices_of_job(job.method) + generation_devices(settings, job.method["type"])
+            )
             break
     try:
-        run = JobRun(
-            job,
-            pool=pool,
-            blobs=ctx["blobs"],
-            settings=ctx["settings"],
-            worker_id=worker_id,
-            queue=ctx["redis"],
-            spend=ctx["spend"],
-            devices=taken,
-        )
+        context = JobContext(job, worker_id, pool, ctx["blobs"], settings)
+        run = JobRun(context, queue=ctx["redis"], spend=ctx["spend"], devices=taken)
         return await run.train()
     finally:
         await devices.give_back(taken)
@@ -123,7 +117,7 @@ async def requeue_missed(ctx: dict[str, Any]) -> int:
     """Enqueue queued jobs that have no message (Redis was down at create, or a wake-up was spent)."""
     sent = 0
     for row in await store.queued_unclaimed(ctx["pool"]):
-        if await enqueue(ctx["redis"], ctx["settings"].queue_name, row["id"], row["queue_generation"]):
+        if await enqueue(ctx["redis"], ctx["settings"].queue_name, row.id, row.queue_generation):
             sent += 1
     return sent
 
@@ -134,36 +128,36 @@ async def reap_stale(ctx: dict[str, Any]) -> int:
     pool: asyncpg.Pool = ctx["pool"]
     reaped = 0
     for row in await store.stale(pool, after_s=settings.stale_after_s):
-        if row["attempts"] >= settings.max_attempts:
-            message = f"The job's worker was lost {row['attempts']} times; giving up."
+        if row.attempts >= settings.max_attempts:
+            message = f"The job's worker was lost {row.attempts} times; giving up."
             error = {"code": "max_attempts_exceeded", "param": None, "message": message}
-            failed = await store.fail_stale(pool, job_id=row["id"], worker_id=row["worker_id"], error=error)
+            failed = await store.fail_stale(pool, job_id=row.id, worker_id=row.worker_id, error=error)
             if failed is not None:
                 await jobs_store.add_event(
                     pool,
-                    job_id=row["id"],
-                    org_id=row["organization_id"],
+                    job_id=row.id,
+                    org_id=row.organization_id,
                     level="error",
                     message=message,
                     dedup_key="failed",
                 )
             reaped += 1
             continue
-        requeued = await store.requeue_stale(pool, job_id=row["id"], worker_id=row["worker_id"])
+        requeued = await store.requeue_stale(pool, job_id=row.id, worker_id=row.worker_id)
         if requeued is None:
             continue
         reaped += 1
-        if requeued["status"] == "queued":
+        if requeued.status == "queued":
             await jobs_store.add_event(
                 pool,
-                job_id=row["id"],
-                org_id=row["organization_id"],
+                job_id=row.id,
+                org_id=row.organization_id,
                 level="warn",
                 message="The job's worker stopped responding; the job was re-queued"
-                + (" and will resume from its last checkpoint" if row["last_checkpoint"] else ""),
-                dedup_key=f"requeued:{requeued['queue_generation']}",
+                + (" and will resume from its last checkpoint" if row.last_checkpoint else ""),
+                dedup_key=f"requeued:{requeued.queue_generation}",
             )
-            await enqueue(ctx["redis"], settings.queue_name, row["id"], requeued["queue_generation"])
+            await enqueue(ctx["redis"], settings.queue_name, row.id, requeued.queue_generation)
     return reaped
 
 

@@ -27,18 +27,17 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from arq.connections import ArqRedis
 
-from gateway.blobstore import BlobStore
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
+from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets
 from gateway.models import store as models_store
 from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
-from gateway.settings import Settings
 from gateway.worker import store
+from gateway.worker.context import JobContext
 from gateway.worker.devices import Device, cpu_devices, generation_devices, strategy
 from gateway.worker.job.generation import generation_server
 from gateway.worker.job.ingest import Ingest, Progress
@@ -56,42 +55,28 @@ class JobRun:
 
     def __init__(
         self,
-        job: asyncpg.Record,
+        ctx: JobContext[JobRow],
         *,
-        pool: asyncpg.Pool,
-        blobs: BlobStore,
-        settings: Settings,
-        worker_id: str,
         queue: ArqRedis | None,
         spend: Buckets | None = None,
         devices: list[Device] | None = None,
     ) -> None:
-        self.job = job
-        self.job_id: str = job["id"]
-        self.org_id: str = job["organization_id"]
-        self.pool = pool
-        self.blobs = blobs
-        self.settings = settings
-        self.worker_id = worker_id
+        self.ctx = ctx
         self.queue = queue
-        self.workdir = settings.data_dir / "work" / self.job_id
+        self.workdir = ctx.settings.data_dir / "work" / ctx.id
         devices = devices or cpu_devices(1)
-        extra = generation_devices(settings, job["method"]["type"])
+        extra = generation_devices(ctx.settings, ctx.row.method["type"])
         self.devices = devices[: len(devices) - extra] if extra else devices
         """The trainer's devices (one process each)."""
         self.generation = devices[len(devices) - extra :] if extra else []
         """A reinforcement job's devices for its vLLM generation server (server mode)."""
-        self.progress = Progress(step=job["current_step"], start_step=job["current_step"] or 0)
-        self.ingest = Ingest(job, pool=pool, blobs=blobs, progress=self.progress)
-        self.meter = Meter(
-            job, pool=pool, settings=settings, worker_id=worker_id, progress=self.progress, spend=spend
-        )
+        job = ctx.row
+        self.progress = Progress(step=job.current_step, start_step=job.current_step or 0)
+        self.ingest = Ingest(ctx, progress=self.progress)
+        self.meter = Meter(ctx, progress=self.progress, spend=spend)
         self.process = TrainerProcess(
-            job,
+            ctx,
             workdir=self.workdir,
-            pool=pool,
-            settings=settings,
-            worker_id=worker_id,
             progress=self.progress,
             on_running=self._on_running,
             devices=self.devices,
@@ -99,52 +84,45 @@ class JobRun:
 
     async def train(self) -> str:
         """Run the job to its end; returns the state it was left in (`succeeded`, `failed`, `paused`...)."""
-        job = self.job
+        job = self.ctx.row
         await jobs_store.add_event(
-            self.pool,
-            job_id=self.job_id,
-            org_id=self.org_id,
-            message=f"Fine-tuning job started (attempt {job['attempts']})"
-            + (f", resuming from step {job['current_step']}" if job["last_checkpoint"] else ""),
-            dedup_key=f"started:{job['attempts']}",
+            self.ctx.pool,
+            job_id=self.ctx.id,
+            org_id=self.ctx.org_id,
+            message=f"Fine-tuning job started (attempt {job.attempts})"
+            + (f", resuming from step {job.current_step}" if job.last_checkpoint else ""),
+            dedup_key=f"started:{job.attempts}",
         )
         await jobs_store.add_event(
-            self.pool,
-            job_id=self.job_id,
-            org_id=self.org_id,
+            self.ctx.pool,
+            job_id=self.ctx.id,
+            org_id=self.ctx.org_id,
             message=self._placement(),
-            dedup_key=f"devices:{job['attempts']}",
-            data={"worker": self.worker_id, "devices": [str(d) for d in self.devices + self.generation]},
+            dedup_key=f"devices:{job.attempts}",
+            data={"worker": self.ctx.worker_id, "devices": [str(d) for d in self.devices + self.generation]},
         )
         try:
             async with contextlib.AsyncExitStack() as stack:
                 server = None
                 if self.generation and self.devices[0].kind == "cuda":
-                    base = str(self.settings.base_model_path(job["model"]))
+                    base = str(self.ctx.settings.base_model_path(job.model))
                     server = await stack.enter_async_context(
                         generation_server(self.generation, base, self.workdir)
                     )
-                spec = await write_spec(
-                    job,
-                    workdir=self.workdir,
-                    pool=self.pool,
-                    blobs=self.blobs,
-                    settings=self.settings,
-                    vllm_server=server,
-                )
+                spec = await write_spec(self.ctx, workdir=self.workdir, vllm_server=server)
                 outcome = await self.process.run(spec, with_key=calls_models(job), record=self.ingest.record)
         except asyncio.CancelledError:
             # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
             await asyncio.shield(self._hand_back())
             raise
         except Exception as exc:
-            logger.exception("job %s: worker error", self.job_id)
+            logger.exception("job %s: worker error", self.ctx.id)
             await self.fail("worker_error", f"{type(exc).__name__}: {exc}")
             return "failed"
         finishing = until_database_answers(
             lambda: self._finish(outcome),
-            what=f"job {self.job_id}: finishing",
-            within_s=self.settings.stale_after_s,
+            what=f"job {self.ctx.id}: finishing",
+            within_s=self.ctx.settings.stale_after_s,
             on_retry=self.meter.forget_usage,  # the transaction that wrote the usage row was rolled back
         )
         return await asyncio.shield(finishing)
@@ -175,58 +153,58 @@ class JobRun:
             return "failed"
         # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
         # The attempt's training usage is written in the same transaction that lets the job go.
-        async with self.pool.acquire() as conn, conn.transaction():
-            released = await store.release(conn, job_id=self.job_id, worker_id=self.worker_id)
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            released = await store.release(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
             if released is not None:
-                await self.meter.record_usage(conn, released["status"])
+                await self.meter.record_usage(conn, released.status)
         if released is None:
             return "lost"
-        if released["status"] == "running":
-            await store.requeue_own(self.pool, job_id=self.job_id, worker_id=self.worker_id)
-        if released["status"] == "queued":
-            await enqueue(self.queue, self.settings.queue_name, self.job_id, released["queue_generation"])
-        if released["status"] == "cancelled":
+        if released.status == "running":
+            await store.requeue_own(self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
+        if released.status == "queued":
+            await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, released.queue_generation)
+        if released.status == "cancelled":
             self.cleanup()
-        return str(released["status"])
+        return str(released.status)
 
     async def _hand_back(self) -> None:
         """The worker is shutting down: stop the trainer (it checkpoints) and queue the job again."""
         await self.process.stop("worker shutdown")
         await self.process.exited()
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await store.requeue_own(conn, job_id=self.job_id, worker_id=self.worker_id)
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            row = await store.requeue_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
             if row is not None:
                 await self.meter.record_usage(conn, "handed_back")
         if row is None:
-            await store.release(self.pool, job_id=self.job_id, worker_id=self.worker_id)
+            await store.release(self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
         else:
-            await enqueue(self.queue, self.settings.queue_name, self.job_id, row["queue_generation"])
+            await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, row.queue_generation)
 
-    async def succeed(self, event: ResultEvent) -> asyncpg.Record | None:
+    async def succeed(self, event: ResultEvent) -> JobRow | None:
         """Store the adapter, register the model and the result file, and mark the job succeeded — one
         transaction, guarded by this worker still holding a running job."""
-        model = fine_tuned_model_name(self.job)
+        model = fine_tuned_model_name(self.ctx.row)
         adapter = await asyncio.to_thread(
-            self.blobs.put_tree, Path(event.adapter_path), f"adapters/{self.org_id}/{self.job_id}"
+            self.ctx.blobs.put_tree, Path(event.adapter_path), f"adapters/{self.ctx.org_id}/{self.ctx.id}"
         )
         # Serve the new model before the job reports success: every engine of the base model loads it now.
-        async with AdapterLoader(self.settings) as loader:
-            loaded = await loader.load_everywhere(model, self.job["model"], str(adapter))
+        async with AdapterLoader(self.ctx.settings) as loader:
+            loaded = await loader.load_everywhere(model, self.ctx.row.model, str(adapter))
         for upstream, problem in loaded.items():
             if problem:
                 logger.warning(
-                    "job %s: %s could not load the adapter yet: %s", self.job_id, upstream, problem
+                    "job %s: %s could not load the adapter yet: %s", self.ctx.id, upstream, problem
                 )
-        csv_bytes = _metrics_csv(await store.job_metrics(self.pool, job_id=self.job_id))
+        csv_bytes = _metrics_csv(await store.job_metrics(self.ctx.pool, job_id=self.ctx.id))
         file_id = new_id("file-")
-        file_key = f"files/{self.org_id}/{file_id}"
-        temp = self.blobs.new_temp()
+        file_key = f"files/{self.ctx.org_id}/{file_id}"
+        temp = self.ctx.blobs.new_temp()
         temp.write_bytes(csv_bytes)
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
             row = await store.succeed_own(
                 conn,
-                job_id=self.job_id,
-                worker_id=self.worker_id,
+                job_id=self.ctx.id,
+                worker_id=self.ctx.worker_id,
                 model=model,
                 trained_tokens=event.trained_tokens,
                 result_files=[file_id],
@@ -239,7 +217,7 @@ class JobRun:
             await store.add_result_file(
                 conn,
                 file_id=file_id,
-                org_id=self.org_id,
+                org_id=self.ctx.org_id,
                 filename="step_metrics.csv",
                 size=len(csv_bytes),
                 sha256=hashlib.sha256(csv_bytes).hexdigest(),
@@ -248,9 +226,9 @@ class JobRun:
             await models_store.insert(
                 conn,
                 model_id=model,
-                org_id=self.org_id,
-                base_model=self.job["model"],
-                job_id=self.job_id,
+                org_id=self.ctx.org_id,
+                base_model=self.ctx.row.model,
+                job_id=self.ctx.id,
                 adapter_path=str(adapter),
             )
             for message, key in (
@@ -258,23 +236,23 @@ class JobRun:
                 ("The job has successfully completed", "succeeded"),
             ):
                 await jobs_store.add_event(
-                    conn, job_id=self.job_id, org_id=self.org_id, message=message, dedup_key=key
+                    conn, job_id=self.ctx.id, org_id=self.ctx.org_id, message=message, dedup_key=key
                 )
-            self.blobs.commit(temp, file_key)
+            self.ctx.blobs.commit(temp, file_key)
         return row
 
-    async def fail(self, code: str, message: str) -> asyncpg.Record | None:
+    async def fail(self, code: str, message: str) -> JobRow | None:
         """Mark the job failed with `code` (guarded by this worker holding a running job), usage included."""
         error = {"code": code, "message": message, "param": None}
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await store.fail_own(conn, job_id=self.job_id, worker_id=self.worker_id, error=error)
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            row = await store.fail_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id, error=error)
             if row is not None:
                 await self.meter.record_usage(conn, "failed")
         if row is not None:
             await jobs_store.add_event(
-                self.pool,
-                job_id=self.job_id,
-                org_id=self.org_id,
+                self.ctx.pool,
+                job_id=self.ctx.id,
+                org_id=self.ctx.org_id,
                 level="error",
                 message=f"Job failed: {message}",
                 dedup_key="failed",

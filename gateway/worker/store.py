@@ -7,12 +7,32 @@ the job's organisation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-import asyncpg
-
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, rows_to
 from gateway.ids import new_id
+from gateway.jobs.store import JobRow
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedJob:
+    """A queued job no worker holds: what its queue message needs."""
+
+    id: str
+    queue_generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class StaleJob:
+    """A job whose worker stopped heartbeating."""
+
+    id: str
+    organization_id: str
+    attempts: int
+    worker_id: str
+    last_checkpoint: str | None
+
 
 # The fairest queued job: the organisation with the fewest running jobs first, then the one that started a job
 # least recently, then the oldest in the queue.
@@ -95,9 +115,9 @@ INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
 
 
-async def claim(conn: Conn, *, worker_id: str, free: int, generation: int = 0) -> asyncpg.Record | None:
+async def claim(conn: Conn, *, worker_id: str, free: int, generation: int = 0) -> JobRow | None:
     """The fairest queued job that fits `free` devices (a reinforcement job takes `generation` more)."""
-    return await conn.fetchrow(CLAIM, worker_id, free, generation)
+    return maybe_row_to(JobRow, await conn.fetchrow(CLAIM, worker_id, free, generation))
 
 
 ANNOUNCE = """
@@ -128,23 +148,21 @@ async def heartbeat(conn: Conn, *, job_id: str, worker_id: str, step: int | None
     return await conn.fetchval(HEARTBEAT, job_id, worker_id, step)
 
 
-async def release(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(RELEASE, job_id, worker_id)
+async def release(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(RELEASE, job_id, worker_id))
 
 
-async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(REQUEUE_OWN, job_id, worker_id)
+async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(REQUEUE_OWN, job_id, worker_id))
 
 
-async def pause_own(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
+async def pause_own(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
     """Pause the running job this worker holds (None when it is no longer running here)."""
-    return await conn.fetchrow(PAUSE_OWN, job_id, worker_id)
+    return maybe_row_to(JobRow, await conn.fetchrow(PAUSE_OWN, job_id, worker_id))
 
 
-async def fail_own(
-    conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(FAIL_OWN, job_id, worker_id, error)
+async def fail_own(conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(FAIL_OWN, job_id, worker_id, error))
 
 
 async def succeed_own(
@@ -156,8 +174,10 @@ async def succeed_own(
     trained_tokens: int,
     result_files: list[str],
     step: int,
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(SUCCEED_OWN, job_id, worker_id, model, trained_tokens, result_files, step)
+) -> JobRow | None:
+    return maybe_row_to(
+        JobRow, await conn.fetchrow(SUCCEED_OWN, job_id, worker_id, model, trained_tokens, result_files, step)
+    )
 
 
 async def add_checkpoint(
@@ -167,22 +187,20 @@ async def add_checkpoint(
     await conn.execute(SET_CHECKPOINT, job_id, path)
 
 
-async def queued_unclaimed(conn: Conn) -> list[asyncpg.Record]:
-    return await conn.fetch(QUEUED_UNCLAIMED)
+async def queued_unclaimed(conn: Conn) -> list[QueuedJob]:
+    return rows_to(QueuedJob, await conn.fetch(QUEUED_UNCLAIMED))
 
 
-async def stale(conn: Conn, *, after_s: float) -> list[asyncpg.Record]:
-    return await conn.fetch(STALE, after_s)
+async def stale(conn: Conn, *, after_s: float) -> list[StaleJob]:
+    return rows_to(StaleJob, await conn.fetch(STALE, after_s))
 
 
-async def requeue_stale(conn: Conn, *, job_id: str, worker_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(REQUEUE_STALE, job_id, worker_id)
+async def requeue_stale(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(REQUEUE_STALE, job_id, worker_id))
 
 
-async def fail_stale(
-    conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(FAIL_STALE, job_id, worker_id, error)
+async def fail_stale(conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]) -> JobRow | None:
+    return maybe_row_to(JobRow, await conn.fetchrow(FAIL_STALE, job_id, worker_id, error))
 
 
 async def file_blob_key(conn: Conn, *, file_id: str, org_id: str) -> str | None:

@@ -22,7 +22,7 @@ import pytest
 from tests.support.data import HELLO_SFT as SFT
 from tests.support.engine import EngineServer
 from tests.support.jobs import metrics_steps
-from tests.support.servers import RedisServer
+from tests.support.servers import PostgresServer, RedisServer, restart
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess, free_port, make_settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -107,13 +107,11 @@ def _wait_steps(tenant: Tenant, job_id: str, past: int, deadline: float) -> int:
 def test_redis_then_postgres_restart_while_a_job_trains_and_chats_flow(
     engine: EngineServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    import pgserver
-
     redis = RedisServer(free_port(), tmp_path)
     redis.start()
-    pgdata = tmp_path / "pg"
-    pg = pgserver.get_server(pgdata, cleanup_mode="stop")
-    dsn = pg.get_uri()
+    pg = PostgresServer(tmp_path / "pg")
+    pg.start()
+    dsn = pg.url
     settings = make_settings(
         data_dir=tmp_path / "data",
         database_url=dsn,
@@ -142,14 +140,10 @@ def test_redis_then_postgres_restart_while_a_job_trains_and_chats_flow(
         with Chats(gateway.url, tenant.key) as chats:
             step = _wait_steps(tenant, job.id, 0, deadline)
 
-            redis.stop()
-            time.sleep(2)
-            redis.start()
+            restart(redis)
             step = _wait_steps(tenant, job.id, step, deadline)  # trains on through it
 
-            pg.cleanup()  # stops PostgreSQL
-            time.sleep(2)
-            pg = pgserver.get_server(pgdata, cleanup_mode="stop")
+            restart(pg)
             _wait_steps(tenant, job.id, step, deadline)
 
             while (current := tenant.client.fine_tuning.jobs.retrieve(job.id)).status in UNFINISHED:
@@ -169,5 +163,5 @@ def test_redis_then_postgres_restart_while_a_job_trains_and_chats_flow(
         if worker is not None:
             worker.stop()
         gateway.stop()
-        pg.cleanup()
+        pg.stop()
         redis.stop()

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.support.data import HELLO_SFT as SFT
-from tests.support.servers import RedisServer
+from tests.support.servers import PostgresServer, RedisServer
 from tests.support.stack import (
     ROOT,
     Admin,
@@ -94,11 +94,9 @@ def test_gateway_survives_a_postgres_restart(
 ) -> None:
     """A PostgreSQL of its own (embedded), restarted under a running gateway: requests fail cleanly while it
     is down (503 in the envelope, no hang) and succeed again once it is back, with no data lost."""
-    import pgserver
-
-    pgdata = tmp_path / "pg"
-    server = pgserver.get_server(pgdata, cleanup_mode="stop")
-    dsn = server.get_uri()
+    server = PostgresServer(tmp_path / "pg")
+    server.start()
+    dsn = server.url
     settings = make_settings(
         data_dir=tmp_path / "data",
         database_url=dsn,
@@ -112,13 +110,13 @@ def test_gateway_survives_a_postgres_restart(
         tenant = Admin(gateway.url, settings.admin_key.get_secret_value()).tenant("pg-restart")
         before = tenant.client.files.create(file=("a.txt", b"kept"), purpose="user_data")
 
-        server.cleanup()  # stops PostgreSQL
+        server.stop()
         with pytest.raises(openai.APIStatusError) as err:
             tenant.client.files.list()
         assert err.value.status_code == 503
         assert err.value.code in ("database_unavailable", "service_unavailable")
 
-        server = pgserver.get_server(pgdata, cleanup_mode="stop")
+        server.start()
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -131,7 +129,7 @@ def test_gateway_survives_a_postgres_restart(
         assert tenant.client.files.content(before.id).read() == b"kept"
     finally:
         gateway.stop()
-        server.cleanup()
+        server.stop()
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -18,6 +18,7 @@ import pytest
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture
+from tests.support.servers import PostgresServer
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 gw = gateway_fixture("usage", usage_flush_interval_s=0.3)
@@ -169,18 +170,15 @@ def test_a_batch_is_written_whole_even_with_a_row_of_an_unknown_organisation(own
 def test_usage_recorded_while_postgres_restarts_is_written_once_it_is_back(tmp_path: Path) -> None:
     """The flushes' kept connection dies with the server: the rows wait in the buffer, and the first flush
     after the restart writes them on a new connection, none lost and none twice."""
-    import pgserver
-
     from gateway.db import create_pool, migrate
     from gateway.usage.buffer import UsageBuffer
 
-    pgdata = tmp_path / "pg"
-    server = pgserver.get_server(pgdata, cleanup_mode="stop")
-    dsn = server.get_uri()
+    server = PostgresServer(tmp_path / "pg")
+    server.start()
+    dsn = server.url
     usage = {"prompt_tokens": 3, "completion_tokens": 4}
 
     async def run() -> tuple[int, int, int]:
-        nonlocal server
         await migrate(dsn)
         pool = await create_pool(dsn, min_size=1, max_size=2)
         try:
@@ -189,13 +187,13 @@ def test_usage_recorded_while_postgres_restarts_is_written_once_it_is_back(tmp_p
             for _ in range(3):
                 buffer.record("org_a", "key_1", "tiny-chat", usage, started=time.time())
             assert await buffer.flush() == 3
-            server.cleanup()  # stops PostgreSQL under the kept connection
+            server.stop()  # under the kept connection
             for _ in range(2):
                 buffer.record("org_a", "key_1", "tiny-chat", usage, started=time.time())
             with pytest.raises((OSError, asyncpg.PostgresError, asyncpg.InterfaceError)):
                 await buffer.flush()
             assert buffer.pending == 2
-            server = pgserver.get_server(pgdata, cleanup_mode="stop")
+            server.start()
             written = 0
             for _ in range(50):  # the pool may hand out a dead connection first
                 try:
@@ -212,4 +210,4 @@ def test_usage_recorded_while_postgres_restarts_is_written_once_it_is_back(tmp_p
     try:
         assert asyncio.run(run()) == (2, 5, 0)
     finally:
-        server.cleanup()
+        server.stop()

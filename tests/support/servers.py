@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 
 def redis_binary() -> str:
@@ -62,3 +63,31 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
+
+
+class PostgresServer:
+    """A private embedded PostgreSQL (`pgserver`) on a data folder of its own, which a test can stop and start
+    again: the data stays in the folder, and the URL stays the same."""
+
+    def __init__(self, pgdata: Path) -> None:
+        self.pgdata = pgdata
+        self.server: Any = None
+        self.url = ""
+
+    def start(self) -> None:
+        import pgserver
+
+        self.server = pgserver.get_server(self.pgdata, cleanup_mode="stop")
+        self.url = self.server.get_uri()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.cleanup()
+            self.server = None
+
+
+def restart(server: RedisServer | PostgresServer, down_s: float = 2.0) -> None:
+    """Stop `server`, leave it down `down_s` seconds, and start it again."""
+    server.stop()
+    time.sleep(down_s)
+    server.start()

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import asyncpg
-
-from gateway.blobstore import BlobStore
 from gateway.jobs import store as jobs_store
+from gateway.jobs.store import JobRow
 from gateway.worker import store
+from gateway.worker.context import JobContext
 from gateway.worker.job.spec import fine_tuned_model_name
 from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
 
@@ -53,14 +52,8 @@ class Progress:
 class Ingest:
     """Records one job's progress events."""
 
-    def __init__(
-        self, job: asyncpg.Record, *, pool: asyncpg.Pool, blobs: BlobStore, progress: Progress
-    ) -> None:
-        self.job = job
-        self.job_id: str = job["id"]
-        self.org_id: str = job["organization_id"]
-        self.pool = pool
-        self.blobs = blobs
+    def __init__(self, ctx: JobContext[JobRow], *, progress: Progress) -> None:
+        self.ctx = ctx
         self.progress = progress
 
     async def record(self, event: ProgressEvent) -> None:
@@ -71,9 +64,9 @@ class Ingest:
             await self._checkpoint(event.step, Path(event.path), event.metrics)
         else:
             await jobs_store.add_event(
-                self.pool,
-                job_id=self.job_id,
-                org_id=self.org_id,
+                self.ctx.pool,
+                job_id=self.ctx.id,
+                org_id=self.ctx.org_id,
                 level=event.level,
                 message=event.message[:4000],
                 data=event.data,
@@ -88,9 +81,9 @@ class Ingest:
         data.setdefault("step", event.step)
         data["total_steps"] = event.total_steps
         await jobs_store.add_event(
-            self.pool,
-            job_id=self.job_id,
-            org_id=self.org_id,
+            self.ctx.pool,
+            job_id=self.ctx.id,
+            org_id=self.ctx.org_id,
             type="metrics",
             data=data,
             message=_metrics_message(event.step, event.total_steps, data),
@@ -98,22 +91,22 @@ class Ingest:
         )
 
     async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
-        key = f"checkpoints/{self.org_id}/{self.job_id}/step-{step}"
-        stored = await asyncio.to_thread(self.blobs.put_tree, path, key)
-        name = f"{fine_tuned_model_name(self.job)}:ckpt-step-{step}"
+        key = f"checkpoints/{self.ctx.org_id}/{self.ctx.id}/step-{step}"
+        stored = await asyncio.to_thread(self.ctx.blobs.put_tree, path, key)
+        name = f"{fine_tuned_model_name(self.ctx.row)}:ckpt-step-{step}"
         await store.add_checkpoint(
-            self.pool,
-            job_id=self.job_id,
-            org_id=self.org_id,
+            self.ctx.pool,
+            job_id=self.ctx.id,
+            org_id=self.ctx.org_id,
             step=step,
             metrics={"step": step, **metrics},
             model_name=name,
             path=str(stored),
         )
         await jobs_store.add_event(
-            self.pool,
-            job_id=self.job_id,
-            org_id=self.org_id,
+            self.ctx.pool,
+            job_id=self.ctx.id,
+            org_id=self.ctx.org_id,
             message=f"Checkpoint saved at step {step}",
             dedup_key=f"checkpoint:{step}",
         )

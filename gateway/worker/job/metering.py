@@ -18,11 +18,12 @@ import time
 import asyncpg
 
 from gateway.jobs import store as jobs_store
+from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets, month_key, to_micro
 from gateway.limits.budget import month_spend_usd, monthly_budget_usd
-from gateway.settings import Settings
 from gateway.usage.pricing import training_cost
 from gateway.worker import store
+from gateway.worker.context import JobContext
 from gateway.worker.job.ingest import Progress
 
 logger = logging.getLogger(__name__)
@@ -33,22 +34,8 @@ BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
 class Meter:
     """Meters one attempt of one job, held by `worker_id`."""
 
-    def __init__(
-        self,
-        job: asyncpg.Record,
-        *,
-        pool: asyncpg.Pool,
-        settings: Settings,
-        worker_id: str,
-        progress: Progress,
-        spend: Buckets | None = None,
-    ) -> None:
-        self.job = job
-        self.job_id: str = job["id"]
-        self.org_id: str = job["organization_id"]
-        self.pool = pool
-        self.settings = settings
-        self.worker_id = worker_id
+    def __init__(self, ctx: JobContext[JobRow], *, progress: Progress, spend: Buckets | None = None) -> None:
+        self.ctx = ctx
         self.progress = progress
         self.spend = spend
         """The serving guard's month counters: training spend is added there as it is recorded."""
@@ -58,47 +45,47 @@ class Meter:
 
     async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
         """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
-        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        earlier = await store.recorded_tokens(conn, job_id=self.ctx.id)
         tokens = max(0, (self.progress.tokens_seen or 0) - earlier)
-        return training_cost(self.settings, self.job["model"], tokens, self.progress.seconds)
+        return training_cost(self.ctx.settings, self.ctx.row.model, tokens, self.progress.seconds)
 
     async def check_budget_when_due(self) -> bool:
         """:meth:`check_budget`, at most every `budget_check_interval_s` (a failed check is logged and
         retried at the next one). True when it paused the job."""
         if time.monotonic() < self.budget_due:
             return False
-        self.budget_due = time.monotonic() + self.settings.budget_check_interval_s
+        self.budget_due = time.monotonic() + self.ctx.settings.budget_check_interval_s
         try:
             return await self.check_budget()
         except (OSError, asyncpg.PostgresError) as exc:
-            logger.warning("job %s: budget check failed: %s", self.job_id, exc)
+            logger.warning("job %s: budget check failed: %s", self.ctx.id, exc)
             return False
 
     async def check_budget(self) -> bool:
         """Pause the job when month-to-date spend plus this attempt's cost reaches the organisation's
         monthly budget (the caller stops its trainer). True when it paused the job."""
-        budget = await monthly_budget_usd(self.pool, org_id=self.org_id)
+        budget = await monthly_budget_usd(self.ctx.pool, org_id=self.ctx.org_id)
         if budget is None:
             return False
-        spent = await month_spend_usd(self.pool, self.settings, org_id=self.org_id)
-        cost = await self.attempt_cost_usd(self.pool)
+        spent = await month_spend_usd(self.ctx.pool, self.ctx.settings, org_id=self.ctx.org_id)
+        cost = await self.attempt_cost_usd(self.ctx.pool)
         if spent + cost < budget:
             return False
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await store.pause_own(conn, job_id=self.job_id, worker_id=self.worker_id)
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            row = await store.pause_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
             if row is None:
                 return False  # cancelled, paused or taken meanwhile: the next beat sees it
             await jobs_store.add_event(
                 conn,
-                job_id=self.job_id,
-                org_id=self.org_id,
+                job_id=self.ctx.id,
+                org_id=self.ctx.org_id,
                 level="warn",
                 message=BUDGET_PAUSED,
-                dedup_key=f"budget_paused:{self.job['attempts']}",
+                dedup_key=f"budget_paused:{self.ctx.row.attempts}",
             )
         logger.info(
             "job %s paused: month-to-date $%.6f + this run $%.6f reaches the budget $%.6f",
-            self.job_id,
+            self.ctx.id,
             spent,
             cost,
             budget,
@@ -115,15 +102,15 @@ class Meter:
             return
         self.usage_recorded = True
         cumulative = max(total_tokens, self.progress.tokens_seen or 0)
-        earlier = await store.recorded_tokens(conn, job_id=self.job_id)
+        earlier = await store.recorded_tokens(conn, job_id=self.ctx.id)
         seconds = self.progress.seconds
         tokens = max(0, cumulative - earlier)
         await store.add_training_usage(
             conn,
-            org_id=self.org_id,
-            job_id=self.job_id,
-            base_model=self.job["model"],
-            method=self.job["method"]["type"],
+            org_id=self.ctx.org_id,
+            job_id=self.ctx.id,
+            base_model=self.ctx.row.model,
+            method=self.ctx.row.method["type"],
             trained_tokens=tokens,
             steps=max(0, (self.progress.step or 0) - self.progress.start_step),
             seconds=seconds,
@@ -131,9 +118,9 @@ class Meter:
         )
         # The request guard's month counter in Redis counts this spend too, so completions see the budget that
         # training used (a rolled-back transaction would over-count: budgets err on the strict side).
-        cost = training_cost(self.settings, self.job["model"], tokens, seconds)
+        cost = training_cost(self.ctx.settings, self.ctx.row.model, tokens, seconds)
         if self.spend is not None and cost > 0:
-            await self.spend.add_spent(month_key(self.org_id), to_micro(cost))
+            await self.spend.add_spent(month_key(self.ctx.org_id), to_micro(cost))
 
     def forget_usage(self) -> None:
         """The transaction that wrote the usage row was rolled back: write it again on the next try."""

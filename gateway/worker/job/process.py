@@ -36,9 +36,10 @@ from pathlib import Path
 import asyncpg
 from pydantic import ValidationError
 
-from gateway.settings import Settings
+from gateway.jobs.store import JobRow
 from gateway.tenancy import scoped
 from gateway.worker import store
+from gateway.worker.context import JobContext
 from gateway.worker.devices import Device, cpu_devices, free_port, launch
 from gateway.worker.job.ingest import Progress, ProgressEvent
 from gateway.worker.resilience import until_database_answers
@@ -108,32 +109,25 @@ class RunOutcome:
 
 
 class TrainerProcess:
-    """The trainer child of one attempt of one job, held by `worker_id`."""
+    """The trainer child of one attempt of one job, held by the context's worker."""
 
     def __init__(
         self,
-        job: asyncpg.Record,
+        ctx: JobContext[JobRow],
         *,
         workdir: Path,
-        pool: asyncpg.Pool,
-        settings: Settings,
-        worker_id: str,
         progress: Progress,
         on_running: Callable[[], Awaitable[None]],
         devices: list[Device] | None = None,
     ) -> None:
-        self.job_id: str = job["id"]
-        self.org_id: str = job["organization_id"]
+        self.ctx = ctx
         self.workdir = workdir
-        self.pool = pool
-        self.settings = settings
-        self.worker_id = worker_id
         self.progress = progress
         """Its step goes with each heartbeat; its start time is set here."""
         self.on_running = on_running
         self.devices = devices or cpu_devices(1)
         """The devices the trainer runs on (one process each)."""
-        self.parameters = model_defaults(settings.base_model_path(job["model"])).parameters
+        self.parameters = model_defaults(ctx.settings.base_model_path(ctx.row.model)).parameters
         self.proc: asyncio.subprocess.Process | None = None
         self.stop_reason: str | None = None
         """Why the trainer was asked to stop (a job status, or `worker shutdown`); None while it may run."""
@@ -149,7 +143,7 @@ class TrainerProcess:
         if not with_key:
             return await self._run(spec, trainer_env(self.workdir), record)
         key = await scoped.mint(
-            self.pool, org_id=self.org_id, kind="job", name=f"job {self.job_id}", ttl_s=KEY_TTL_S
+            self.ctx.pool, org_id=self.ctx.org_id, kind="job", name=f"job {self.ctx.id}", ttl_s=KEY_TTL_S
         )
         self.key_id, self.key_renewed = key.id, time.monotonic()
         try:
@@ -157,9 +151,9 @@ class TrainerProcess:
         finally:
             self.key_id = None
             try:
-                await asyncio.shield(scoped.revoke(self.pool, key.id))
+                await asyncio.shield(scoped.revoke(self.ctx.pool, key.id))
             except (OSError, asyncpg.PostgresError) as exc:  # it expires within KEY_TTL_S anyway
-                logger.warning("job %s: could not revoke its key %s: %s", self.job_id, key.id, exc)
+                logger.warning("job %s: could not revoke its key %s: %s", self.ctx.id, key.id, exc)
 
     async def _run(
         self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
@@ -188,15 +182,15 @@ class TrainerProcess:
                     try:
                         event = EVENT.validate_json(line)
                     except ValidationError:
-                        logger.warning("job %s: trainer wrote a non-event line: %.200s", self.job_id, line)
+                        logger.warning("job %s: trainer wrote a non-event line: %.200s", self.ctx.id, line)
                         continue
                     if isinstance(event, ResultEvent | ErrorEvent | StoppedEvent):
                         outcome = RunOutcome(event)
                         continue
                     await until_database_answers(
                         functools.partial(record, event),
-                        what=f"job {self.job_id}",
-                        within_s=self.settings.stale_after_s,
+                        what=f"job {self.ctx.id}",
+                        within_s=self.ctx.settings.stale_after_s,
                     )
                 await self.proc.wait()
             finally:
@@ -219,7 +213,7 @@ class TrainerProcess:
             proc.send_signal(signal.SIGTERM)
 
         async def _kill_later() -> None:
-            await asyncio.sleep(self.settings.stop_grace_s)
+            await asyncio.sleep(self.ctx.settings.stop_grace_s)
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -230,23 +224,23 @@ class TrainerProcess:
         """Wait up to `stop_grace_s` for a stopped trainer to exit."""
         if self.proc is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.proc.wait(), self.settings.stop_grace_s)
+                await asyncio.wait_for(self.proc.wait(), self.ctx.settings.stop_grace_s)
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            await asyncio.sleep(self.ctx.settings.heartbeat_interval_s)
             try:
                 status = await store.heartbeat(
-                    self.pool, job_id=self.job_id, worker_id=self.worker_id, step=self.progress.step
+                    self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id, step=self.progress.step
                 )
                 if self.key_id is not None and time.monotonic() - self.key_renewed > KEY_TTL_S / 3:
-                    await scoped.renew(self.pool, self.key_id, ttl_s=KEY_TTL_S)
+                    await scoped.renew(self.ctx.pool, self.key_id, ttl_s=KEY_TTL_S)
                     self.key_renewed = time.monotonic()
             except (OSError, asyncpg.PostgresError) as exc:
-                logger.warning("job %s: heartbeat failed: %s", self.job_id, exc)
+                logger.warning("job %s: heartbeat failed: %s", self.ctx.id, exc)
                 continue
             if status != "running" and self.stop_reason is None:
-                logger.info("job %s is %s: stopping its trainer", self.job_id, status)
+                logger.info("job %s is %s: stopping its trainer", self.ctx.id, status)
                 await self.stop(status or "lost")
             elif status == "running" and self.stop_reason is None:
                 await self.on_running()

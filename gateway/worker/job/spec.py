@@ -13,47 +13,38 @@ import asyncio
 import shutil
 from pathlib import Path
 
-import asyncpg
-
 from envsdk.graders import model_fields
-from gateway.blobstore import BlobStore
+from gateway.jobs.store import JobRow
 from gateway.settings import Settings
 from gateway.worker import store
+from gateway.worker.context import JobContext
 from trainer.spec import TrainerSpec
 
 
-def calls_models(job: asyncpg.Record) -> bool:
+def calls_models(job: JobRow) -> bool:
     """Whether the job's grader calls a model (and so its trainer needs the gateway and a key)."""
-    method = job["method"]
+    method = job.method
     grader = (method.get(method["type"]) or {}).get("grader")
     return isinstance(grader, dict) and bool(model_fields(grader))
 
 
-def fine_tuned_model_name(job: asyncpg.Record) -> str:
+def fine_tuned_model_name(job: JobRow) -> str:
     """`ft:<base>:<org>:<suffix>:<job>` (an empty suffix leaves an empty field, as OpenAI does)."""
-    return f"ft:{job['model']}:{job['organization_id']}:{job['suffix'] or ''}:{job['id']}"
+    return f"ft:{job.model}:{job.organization_id}:{job.suffix or ''}:{job.id}"
 
 
-async def write_spec(
-    job: asyncpg.Record,
-    *,
-    workdir: Path,
-    pool: asyncpg.Pool,
-    blobs: BlobStore,
-    settings: Settings,
-    vllm_server: str | None = None,
-) -> Path:
+async def write_spec(ctx: JobContext[JobRow], *, workdir: Path, vllm_server: str | None = None) -> Path:
     """Make `workdir` (unpacking the environment package there) and write the job's `spec.json` in it;
     `vllm_server`: the `host:port` of the job's generation server (vLLM server mode)."""
-    org_id: str = job["organization_id"]
+    job, settings = ctx.row, ctx.settings
 
     async def file_path(file_id: str) -> Path:
-        key = await store.file_blob_key(pool, file_id=file_id, org_id=org_id)
+        key = await store.file_blob_key(ctx.pool, file_id=file_id, org_id=ctx.org_id)
         if key is None:
             raise FileNotFoundError(f"file {file_id} was deleted before training started")
-        return blobs.path(key)
+        return ctx.blobs.path(key)
 
-    method = job["method"]
+    method = job.method
     kind = method["type"]
     body = method.get(kind, {})
     archive, environment = None, None
@@ -63,17 +54,17 @@ async def write_spec(
             "package_dir": str(workdir / "environment"),
             "config": body["environment"].get("config", {}),
         }
-    validation = job["validation_file"]
+    validation = job.validation_file
     spec = TrainerSpec.model_validate(
         {
-            "job_id": job["id"],
+            "job_id": job.id,
             "method": kind,
-            "base_model": str(settings.base_model_path(job["model"])),
-            "training_file": str(await file_path(job["training_file"])),
+            "base_model": str(settings.base_model_path(job.model)),
+            "training_file": str(await file_path(job.training_file)),
             "validation_file": str(await file_path(validation)) if validation else None,
             "output_dir": str(workdir / "out"),
-            "resume_from_checkpoint": job["last_checkpoint"],
-            "seed": job["seed"],
+            "resume_from_checkpoint": job.last_checkpoint,
+            "seed": job.seed,
             "hyperparameters": body["hyperparameters"],
             "grader": body.get("grader"),
             "environment": environment,

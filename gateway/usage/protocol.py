@@ -1,0 +1,72 @@
+"""Usage and costs API shapes: OpenAI's organisation usage pages (`GET /v1/organization/usage/completions`,
+`GET /v1/organization/costs`)."""
+
+from __future__ import annotations
+
+from typing import Generic, Literal, TypeVar
+
+from pydantic import Field, SerializeAsAny
+
+from gateway.protocol import OpenAIBaseModel
+
+
+class CompletionsUsageResult(OpenAIBaseModel):
+    """Completion usage of one bucket, of one model or key when grouped by them (else those are null)."""
+
+    object: Literal["organization.usage.completions.result"] = "organization.usage.completions.result"
+    input_tokens: int
+    output_tokens: int
+    input_cached_tokens: int = 0
+    input_audio_tokens: int = 0
+    output_audio_tokens: int = 0
+    num_model_requests: int
+    project_id: str | None = None
+    user_id: str | None = None
+    api_key_id: str | None = None
+    model: str | None = None
+    batch: bool | None = None
+
+
+class CostAmount(OpenAIBaseModel):
+    value: float
+    currency: Literal["usd"] = "usd"
+
+
+class CostsResult(OpenAIBaseModel):
+    """The cost of one bucket: its total, or one line item of it (`group_by=line_item`)."""
+
+    object: Literal["organization.costs.result"] = "organization.costs.result"
+    amount: CostAmount
+    line_item: str | None = None
+    """`<base model>, input|output|training tokens|training hours` when grouped by line item."""
+    project_id: str | None = None
+
+
+class CostsLineItem(CostsResult):
+    """A line item of a bucket's cost, with what it counts."""
+
+    quantity: float
+    quantity_unit: str
+    """`tokens` or `hours`."""
+
+
+ResultT = TypeVar("ResultT", bound=OpenAIBaseModel)
+
+
+class Bucket(OpenAIBaseModel, Generic[ResultT]):
+    """One time bucket `[start_time, end_time)` (Unix seconds); empty buckets are listed too."""
+
+    object: Literal["bucket"] = "bucket"
+    start_time: int
+    end_time: int
+    results: list[SerializeAsAny[ResultT]] = Field(default_factory=list)
+    """Serialized as what each is (a `CostsLineItem` keeps its quantity in a page of `CostsResult`s)."""
+
+
+class UsagePage(OpenAIBaseModel, Generic[ResultT]):
+    """A page of buckets; `next_page` is the cursor of the next (the start time of its first bucket)."""
+
+    object: Literal["page"] = "page"
+    data: list[Bucket[ResultT]]
+    has_more: bool
+    next_page: str | None = None
