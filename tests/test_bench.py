@@ -28,7 +28,7 @@ def _number(value: Any) -> bool:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n not in ("training", "stalls")]  # each: its own test below
+    names = [n for n in BENCHES if n not in ("training", "stalls", "dashboard")]  # each: its own test below
     proc = subprocess.run(
         [
             sys.executable,
@@ -155,6 +155,14 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
     assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
     assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
     assert "plain TRL" in (tmp_path / "B.md").read_text()
+
+
+def test_dashboard_bench_opens_a_long_job(tmp_path: Path) -> None:
+    d = run_quick("dashboard", tmp_path)
+    assert "error" not in d, d.get("traceback")
+    assert d["steps"] == 500 and _number(d["open_ms"]) and _number(d["open_vs_retrieve"])
+    assert 0 < d["points_drawn"] <= 2000 and d["curves_bytes"] > 0
+    assert "plain job retrieve" in (tmp_path / "B.md").read_text()
 
 
 def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:
