@@ -246,6 +246,8 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert tuned >= base + 25, text[-3000:]
     assert (data_dir / "quickstart" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert (data_dir / "admin_key").exists() and "the stack was stopped" in text
+    # It ends with the job's page in the dashboard.
+    assert re.search(rf"dashboard: +http://127\.0\.0\.1:{port}/dashboard/jobs/ftjob-[\w-]+$", text.rstrip())
     assert not stack_ready(f"http://127.0.0.1:{port}")
     leftovers = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
