@@ -42,6 +42,8 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-store",
 }
+ADMIN_PAGES = ("admin",)
+"""What the admin key sees besides usage (any organisation's); the other pages are an organisation's."""
 MAX_POINTS = 2000
 """A curve is drawn from at most this many points; a longer job's metrics are thinned evenly."""
 
@@ -54,10 +56,12 @@ def install(app: FastAPI) -> None:
 
 
 def _page(request: Request, template: str, session: sessions.Session | None, **context: Any) -> Response:
-    response = templates.TemplateResponse(
-        request, template, {"session": session, "pages": PAGES, **context}, headers=SECURITY_HEADERS
+    return templates.TemplateResponse(
+        request,
+        template,
+        {"session": session, "pages": PAGES, "admin_pages": ADMIN_PAGES, **context},
+        headers=SECURITY_HEADERS,
     )
-    return response
 
 
 @router.get("/login")
@@ -72,7 +76,7 @@ class SignIn(OpenAIBaseModel):
 @router.post("/session")
 async def create_session(body: SignIn, request: Request, res: ResourcesDep) -> Response:
     """Sign in: the key is checked and a session cookie set (HttpOnly, SameSite=Strict)."""
-    cookie, session = await sessions.sign_in(res, body.key)
+    cookie, _ = await sessions.sign_in(res, body.key)
     response = Response(status_code=204)
     response.set_cookie(
         sessions.COOKIE,
@@ -157,11 +161,15 @@ async def job_metrics(
 
 
 @router.get("")
-async def home() -> Response:
-    return RedirectResponse("/dashboard/jobs", status_code=303)
+async def home(res: ResourcesDep, cookie: CookieDep = None) -> Response:
+    """The first page: jobs for an organisation, administration for the admin key."""
+    session = await sessions.lookup(res, cookie)
+    where = "login" if session is None else "admin" if session.is_admin else "jobs"
+    return RedirectResponse(f"/dashboard/{where}", status_code=303)
 
 
-async def _signed_in(request: Request, res: ResourcesDep, cookie: str | None) -> sessions.Session | Response:
+async def _signed_in(res: ResourcesDep, cookie: str | None) -> sessions.Session | Response:
+    """The session, or the way to the sign-in page."""
     session = await sessions.lookup(res, cookie)
     if session is None:
         return RedirectResponse("/dashboard/login", status_code=303)
@@ -170,7 +178,7 @@ async def _signed_in(request: Request, res: ResourcesDep, cookie: str | None) ->
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 async def job_page(job_id: str, request: Request, res: ResourcesDep, cookie: CookieDep = None) -> Response:
-    session = await _signed_in(request, res, cookie)
+    session = await _signed_in(res, cookie)
     if isinstance(session, Response):
         return session
     return _page(request, "page.html", session, page="job", title="Job", job_id=job_id)
@@ -180,7 +188,7 @@ async def job_page(job_id: str, request: Request, res: ResourcesDep, cookie: Coo
 async def page(page: str, request: Request, res: ResourcesDep, cookie: CookieDep = None) -> Response:
     if page not in PAGES:
         raise not_found("dashboard page", page)
-    session = await _signed_in(request, res, cookie)
+    session = await _signed_in(res, cookie)
     if isinstance(session, Response):
         return session
     return _page(request, "page.html", session, page=page, title=PAGES[page])

@@ -5,16 +5,21 @@ screenshots of docs/dashboard.md."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
 import httpx
 import openai
 import pytest
+from playwright.sync_api import expect
 
-from tests.dashboard.conftest import RESOURCE_404, Tab
+from envsdk.archive import pack
+from tests.dashboard.conftest import RESOURCE_404, ROOT, Tab
 from tests.support.data import RFT, SAYS_YES
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import metrics, upload_rows, wait_for
@@ -25,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 gw = gateway_fixture("dashboard", own_database=True)
 worker = worker_fixture(autouse=True, TUNEGATE_HEARTBEAT_INTERVAL_S="0.5")
 OpenTab = Callable[[], Tab]
+ARITHMETIC = ROOT / "examples" / "envs" / "arithmetic"
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +95,7 @@ def test_sign_in_session_and_csrf(gw: GatewayServer, org: Tenant, job: Any, open
     assert page.url.endswith("/dashboard/login")  # not signed in
     page.fill("#key", "sk-tg-not-a-key")
     page.click("#sign-in button[type=submit]")
-    assert "Incorrect API key" in page.locator("#error").inner_text()
+    page.locator("#error", has_text="Incorrect API key provided").wait_for()
     tab.errors.clear()  # the refused sign-in's 401 is logged by the browser
 
     tab.sign_in(org.key)
@@ -136,6 +142,14 @@ def test_curves_grow_with_the_metrics_events(org: Tenant, job: Any, open_tab: Op
     loss = plotted(page, "Loss")
     assert loss["train_loss"] == [events[s].get("train_loss") for s in loss["step"]]
     tab.shot("job")
+    # Half a laptop's screen: nothing runs off the side. And the same page in dark colours.
+    page.set_viewport_size({"width": 640, "height": 900})
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 640
+    page.emulate_media(color_scheme="dark")
+    page.reload()
+    wait_points(page, lambda n: n >= 2)
+    tab.shot("job-dark")
     assert tab.console_errors() == []
 
 
@@ -211,17 +225,56 @@ def test_usage_shows_the_jobs_cost(org: Tenant, job: Any, open_tab: OpenTab) -> 
     assert tab.console_errors() == []
 
 
+def test_files_and_an_environment_tested_from_the_page(
+    org: Tenant, open_tab: OpenTab, tmp_path: Path
+) -> None:
+    archive, _ = pack(ARITHMETIC, tmp_path / "arithmetic.tar.gz")
+    env = org.client.files.create(file=(archive.name, archive.read_bytes()), purpose="environment")
+    rows = [json.loads(line) for line in (ARITHMETIC / "tasks.jsonl").read_text().splitlines()[:3]]
+    tasks = upload_rows(org, rows, name="tasks.jsonl")
+    tab = open_tab()
+    page = tab.sign_in(org.key)
+    page.goto("/dashboard/files")
+    row = page.locator("#app tr", has_text=env.id)
+    assert "environment" in row.inner_text() and tasks in page.locator("#app").inner_text()
+    row.locator("button", has_text="Open").click()
+    page.locator("#manifest", has_text="arithmetic_env:ArithmeticEnv").wait_for()
+    page.select_option("#task-file", tasks)
+    expect(page.locator("#tasks")).to_have_value(re.compile("What is 9 \\+ 3"))
+    page.select_option("#env-model", "tiny-chat")
+    page.click("#test-env")
+    rewards = page.locator("#env-results tbody tr")
+    rewards.nth(2).wait_for(timeout=120_000)
+    assert rewards.count() == 3
+    for i in range(3):  # each task's reward, as environments/run scored it
+        assert 0.0 <= float(rewards.nth(i).locator("td").nth(1).inner_text()) <= 1.0
+    tab.shot("files")
+    page.goto("/dashboard/evals")
+    page.locator("#app", has_text="No evals yet.").wait_for()
+    assert tab.console_errors() == []
+
+
 def test_another_organisations_job_is_not_found(
     gw: GatewayServer, gw_admin: Admin, job: Any, open_tab: OpenTab
 ) -> None:
     other = gw_admin.tenant("dash-other")
     tab = open_tab()
     page = tab.sign_in(other.key)
-    assert job.id not in page.locator("#app").inner_text()
+    page.locator("#app", has_text="No fine-tuning jobs yet").wait_for()
     page.goto(f"/dashboard/jobs/{job.id}")
     page.locator("#error", has_text="Not found").wait_for()
     assert "Not found: No fine-tuning job found" in page.locator("#error").inner_text()
     assert page.locator("figure.chart").count() == 0
+    jar = {c["name"]: c["value"] for c in tab.context.cookies()}
+    with httpx.Client(base_url=gw.url, cookies=jar) as http:  # the routes behind the page say the same
+        for path in (
+            f"/dashboard/data/jobs/{job.id}/metrics",
+            f"/dashboard/api/v1/fine_tuning/jobs/{job.id}/events",
+        ):
+            answer = http.get(path)
+            assert (
+                answer.status_code == 404 and "No fine-tuning job found" in answer.json()["error"]["message"]
+            )
     assert tab.console_errors(allowed=(RESOURCE_404,)) == []
 
 
@@ -233,12 +286,12 @@ def test_admin_creates_and_revokes_a_key(
     page.goto("/dashboard/admin")
     page.select_option("#org", org.org_id)
     page.fill("#new-key-name", "from-the-dashboard")
+    tab.shot("admin")
     page.click("#create-key")
     key = page.locator(".key-once").inner_text().strip()
     assert key.startswith("sk-tg-")
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
     assert client.models.list().data
-    tab.shot("admin")
 
     # A session of that key, open before the revocation, ends at its next request.
     holder = open_tab()

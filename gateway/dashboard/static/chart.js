@@ -15,12 +15,13 @@ export function lineChart(parent, title, names, { xLabel = "step", timeAxis = fa
     width: Math.max(280, box.clientWidth - 8),
     height: 220,
     scales: { x: { time: timeAxis } },
+    legend: { live: !timeAxis },
     axes: [
       { stroke: ink, grid, label: timeAxis ? undefined : xLabel },
       { stroke: ink, grid, size: 60 },
     ],
     series: [
-      { label: xLabel },
+      { label: timeAxis ? "day" : xLabel },
       ...names.map((name, i) => ({
         label: name, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true,
         fill: bars ? COLORS[i % COLORS.length] + "55" : undefined,

@@ -87,7 +87,7 @@ export const bytes = (n) => (n < 1024 ? `${n} B` : n < 1048576 ? `${(n / 1024).t
 export const isAdmin = app?.dataset.admin === "true";
 
 /** Replace the page's content with `nodes`. */
-export function render(...nodes) { app.replaceChildren(...nodes); }
+export function render(...nodes) { app.replaceChildren(...nodes.flat().filter((n) => n !== null && n !== undefined)); }
 
 /** Call `fn` now and every `ms` while the page is visible. */
 export function every(ms, fn) {

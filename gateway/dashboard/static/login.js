@@ -12,7 +12,7 @@ form.addEventListener("submit", async (event) => {
   });
   if (response.ok) {
     form.reset();
-    location.assign("/dashboard/jobs");
+    location.assign("/dashboard");
     return;
   }
   let message = `${response.status} ${response.statusText}`;

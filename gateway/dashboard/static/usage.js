@@ -5,11 +5,15 @@ import { lineChart } from "./chart.js";
 
 const DAYS = 30;
 
+/** The admin key reads any organisation's usage: `[query parameter, organisation picker]`. */
 async function orgParam() {
-  if (!isAdmin) return "";
+  if (!isAdmin) return ["", null];
   const orgs = (await api("/admin/organizations")).data;
   const chosen = new URLSearchParams(location.search).get("organization_id") ?? orgs[0]?.id;
-  return chosen ? `&organization_id=${encodeURIComponent(chosen)}` : "";
+  const picker = el("select", { id: "usage-org", "aria-label": "Organisation" },
+    orgs.map((o) => el("option", { value: o.id, selected: o.id === chosen }, `${o.name} (${o.id})`)));
+  picker.addEventListener("change", () => { location.search = `?organization_id=${encodeURIComponent(picker.value)}`; });
+  return [chosen ? `&organization_id=${encodeURIComponent(chosen)}` : "", el("label", {}, "Organisation ", picker)];
 }
 
 function sums(buckets, field, value) {
@@ -22,7 +26,7 @@ function sums(buckets, field, value) {
 }
 
 async function start() {
-  const org = await orgParam();
+  const [org, picker] = await orgParam();
   const since = Math.floor(Date.now() / 1000 / 86400 - DAYS + 1) * 86400;
   const window = `start_time=${since}&bucket_width=1d&limit=${DAYS}${org}`;
   const [costs, byModel, byKey] = await Promise.all([
@@ -35,6 +39,7 @@ async function start() {
   const jobs = el("section", { id: "job-costs", "aria-label": "Training jobs" });
   const total = costs.data.reduce((s, b) => s + b.results.reduce((t, r) => t + r.amount.value, 0), 0);
   render(
+    picker,
     el("p", {}, `Last ${DAYS} days: `, el("strong", {}, money(total)), "."),
     budget, charts,
     el("h2", {}, "Costs by line item"),
