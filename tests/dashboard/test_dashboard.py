@@ -249,8 +249,50 @@ def test_files_and_an_environment_tested_from_the_page(
     for i in range(3):  # each task's reward, as environments/run scored it
         assert 0.0 <= float(rewards.nth(i).locator("td").nth(1).inner_text()) <= 1.0
     tab.shot("files")
+    assert tab.console_errors() == []
+
+
+def test_evals_show_runs_and_pass_rates(org: Tenant, open_tab: OpenTab) -> None:
+    ev = org.client.evals.create(
+        name="says yes",
+        data_source_config={
+            "type": "custom",
+            "item_schema": {"type": "object", "properties": {"question": {"type": "string"}}},
+            "include_sample_schema": True,
+        },
+        testing_criteria=[SAYS_YES],
+    )
+    items = [{"item": {"question": q}} for q in ("Is the sky blue?", "Say yes.", "Is water wet?")]
+    run = org.client.evals.runs.create(
+        ev.id,
+        name="base",
+        data_source={
+            "type": "completions",
+            "model": "tiny-chat",
+            "source": {"type": "file_content", "content": items},
+            "input_messages": {
+                "type": "template",
+                "template": [{"role": "user", "content": "{{ item.question }}"}],
+            },
+            "sampling_params": {"temperature": 0, "max_completion_tokens": 8},
+        },
+    )
+    deadline = time.monotonic() + 180
+    while (done := org.client.evals.runs.retrieve(run.id, eval_id=ev.id)).status not in (
+        "completed",
+        "failed",
+    ):
+        assert time.monotonic() < deadline, done.status
+        time.sleep(0.3)
+    assert done.status == "completed", done.error
+    counts = done.result_counts
+    tab = open_tab()
+    page = tab.sign_in(org.key)
     page.goto("/dashboard/evals")
-    page.locator("#app", has_text="No evals yet.").wait_for()
+    row = page.locator("#app tr", has_text="completed")
+    row.wait_for()
+    assert f"{100 * counts.passed / counts.total:.1f} %" in row.inner_text()
+    assert f"{counts.passed} / {counts.failed} / {counts.errored}" in row.inner_text()
     assert tab.console_errors() == []
 
 
