@@ -354,10 +354,11 @@ def print_summary(console: Console, report: QuickstartReport, keep_running: bool
     if report.started_stack:
         lines.append(f"stack log:        {report.data_dir / 'stack.log'}")
         lines.append("the stack is still running" if keep_running else "the stack was stopped")
-    if report.job_id:  # last: the job in the browser (sign in with the API key above)
-        lines.append(f"dashboard:        {root_url(report.base_url)}/dashboard/jobs/{report.job_id}")
     console.rule("where everything lives")
     console.print("\n".join(lines), highlight=False)
+    if report.job_id:  # last, on one line however narrow: the job in the browser (sign in with the API key)
+        url = f"{root_url(report.base_url)}/dashboard/jobs/{report.job_id}"
+        console.print(f"dashboard:        {url}", highlight=False, soft_wrap=True)
 
 
 def run_quickstart(
