@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -119,17 +118,6 @@ class Curves(OpenAIBaseModel):
     series: dict[str, list[float | None]]
 
 
-def curves(rows: list[dict[str, Any]], points: int) -> tuple[int, list[dict[str, Any]]]:
-    """Every `stride`-th row and the last, so at most about `points` rows are drawn."""
-    stride = max(1, math.ceil(len(rows) / points))
-    if stride == 1:
-        return 1, rows
-    kept = rows[::stride]
-    if kept[-1] is not rows[-1]:
-        kept.append(rows[-1])
-    return stride, kept
-
-
 @router.get("/data/jobs/{job_id}/metrics")
 async def job_metrics(
     job_id: str,
@@ -146,15 +134,16 @@ async def job_metrics(
     async with res.pool.acquire() as conn:
         if not await store.job_exists(conn, org_id=org, job_id=job_id):
             raise not_found("fine-tuning job", job_id, param="job_id")
-        rows, cursor = await store.job_metrics(conn, org_id=org, job_id=job_id, after_seq=after)
-    stride, kept = curves(rows, points)
+        kept, count, stride, cursor = await store.job_metrics(
+            conn, org_id=org, job_id=job_id, after_seq=after, points=points
+        )
     numeric = {k for r in kept for k, v in r.items() if isinstance(v, int | float)}
     names = sorted(numeric - {"step", "total_steps"})
     return Curves(
         cursor=cursor,
-        count=len(rows),
+        count=count,
         stride=stride,
-        total_steps=rows[-1].get("total_steps") if rows else None,
+        total_steps=kept[-1].get("total_steps") if kept else None,
         steps=[r.get("step") for r in kept],
         series={n: [v if isinstance(v := r.get(n), int | float) else None for r in kept] for n in names},
     )

@@ -22,10 +22,17 @@ WHERE s.id_digest = $1 AND s.expires_at > now()
 DELETE_SESSION = "DELETE FROM dashboard_sessions WHERE id_digest = $1"
 DELETE_EXPIRED = "DELETE FROM dashboard_sessions WHERE expires_at <= now()"
 
-# The metrics events of a job from a step on, oldest first; the job's organisation guards every row.
+# The metrics events of a job after a cursor, oldest first, thinned in the database to every `$4`-th one (the
+# stride that keeps at most `$4` rows) and the last; the job's organisation guards every row.
 JOB_METRICS = """
-SELECT seq, data FROM fine_tuning_job_events
-WHERE job_id = $1 AND organization_id = $2 AND type = 'metrics' AND seq > $3
+SELECT seq, data, total, stride FROM (
+    SELECT seq, data, n, total, greatest(1, ceil(total::float8 / $4))::int AS stride FROM (
+        SELECT seq, data, row_number() OVER (ORDER BY seq) AS n, count(*) OVER () AS total
+        FROM fine_tuning_job_events
+        WHERE job_id = $1 AND organization_id = $2 AND type = 'metrics' AND seq > $3
+    ) numbered
+) strided
+WHERE (n - 1) % stride = 0 OR n = total
 ORDER BY seq"""
 JOB_EXISTS = "SELECT 1 FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
 
@@ -61,9 +68,11 @@ async def job_exists(conn: Conn, *, org_id: str, job_id: str) -> bool:
 
 
 async def job_metrics(
-    conn: Conn, *, org_id: str, job_id: str, after_seq: int
-) -> tuple[list[dict[str, Any]], int]:
-    """The data of the job's metrics events after `after_seq` (one writer per job writes them in step
-    order), and the last seq they reach: the cursor of the next call."""
-    rows = await conn.fetch(JOB_METRICS, job_id, org_id, after_seq)
-    return [r["data"] for r in rows], (rows[-1]["seq"] if rows else after_seq)
+    conn: Conn, *, org_id: str, job_id: str, after_seq: int, points: int
+) -> tuple[list[dict[str, Any]], int, int, int]:
+    """The job's metrics events after `after_seq` (one writer per job writes them in step order), thinned
+    to about `points`: `(data of the rows kept, rows read, stride, the cursor of the next call)`."""
+    rows = await conn.fetch(JOB_METRICS, job_id, org_id, after_seq, points)
+    if not rows:
+        return [], 0, 1, after_seq
+    return [r["data"] for r in rows], rows[0]["total"], rows[0]["stride"], rows[-1]["seq"]
