@@ -25,6 +25,8 @@ CSRF_HEADER = "x-csrf-token"
 TTL_S = 12 * 3600.0
 """A session lives twelve hours at most."""
 MAX_KEY_CHARS = 512
+NO_SESSION = "no_dashboard_session"
+"""The error code that sends the browser back to the sign-in page (any other 401 is shown as it is)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +109,9 @@ async def require(res: Resources, cookie: str | None) -> Session:
     """`lookup`, or the 401 that sends the browser back to the sign-in page."""
     session = await lookup(res, cookie)
     if session is None:
-        raise AuthenticationFailed("You are not signed in to the dashboard (or your session ended).")
+        raise AuthenticationFailed(
+            "You are not signed in to the dashboard (or your session ended).", code=NO_SESSION
+        )
     return session
 
 

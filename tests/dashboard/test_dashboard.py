@@ -124,7 +124,7 @@ def test_sign_in_session_and_csrf(gw: GatewayServer, org: Tenant, job: Any, open
     page.wait_for_url("**/dashboard/login")
     with httpx.Client(base_url=gw.url, cookies=jar) as http:
         ended = http.get("/dashboard/api/v1/fine_tuning/jobs")
-    assert ended.status_code == 401 and ended.json()["error"]["type"] == "invalid_request_error"
+    assert ended.status_code == 401 and ended.json()["error"]["code"] == "no_dashboard_session"
 
 
 def test_curves_grow_with_the_metrics_events(org: Tenant, job: Any, open_tab: OpenTab) -> None:

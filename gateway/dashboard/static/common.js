@@ -32,13 +32,13 @@ export async function dashboard(path) {
 
 async function apiError(response) {
   let message = `${response.status} ${response.statusText}`;
+  let code = null;
   try {
     const body = await response.json();
     if (body?.error?.message) message = body.error.message;
+    code = body?.error?.code ?? null;
   } catch { /* not JSON: keep the status line */ }
-  if (response.status === 401 && !location.pathname.endsWith("/login")) {
-    location.assign("/dashboard/login");
-  }
+  if (code === "no_dashboard_session") location.assign("/dashboard/login");
   const error = new Error(message);
   error.status = response.status;
   return error;
