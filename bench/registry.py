@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "metering": ("bench.metering", "Metering: usage rows per second sustained, none lost"),
     "stalls": ("bench.stalls", "Stalls: one tenant's chat p99 while another sends the worst inputs"),
     "distributed": ("bench.distributed", "Distributed: two training processes (DDP) against one"),
+    "dashboard": ("bench.dashboard", "Dashboard: a job with 10,000 steps of metrics opens"),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",

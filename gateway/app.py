@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from envsdk.sandbox import remove_stale_dirs
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
+from gateway.dashboard.router import install as install_dashboard
 from gateway.db import create_pool, migrate
 from gateway.deps import Resources
 from gateway.errors import install_error_handlers
@@ -143,4 +144,5 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router)
     app.include_router(graders_router)
     app.include_router(evals_router)
+    install_dashboard(app)
     return app

@@ -25,10 +25,14 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
+SEPARATE = ("training", "stalls", "distributed", "dashboard")
+"""Benches with a test of their own below (each too long for the combined quick report's time)."""
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    names = [n for n in BENCHES if n not in ("training", "stalls", "distributed")]  # each: its own test below
+    names = [n for n in BENCHES if n not in SEPARATE]
     proc = subprocess.run(
         [
             sys.executable,
@@ -165,6 +169,14 @@ def test_distributed_bench_trains_the_same_steps_on_two_processes(tmp_path: Path
     assert d["same_steps"] and len(one["losses"]) == len(two["losses"]) == d["steps"]
     assert _number(d["max_loss_gap"]) and d["max_loss_gap"] < 0.05  # one curve, within float noise
     assert _number(d["time_ratio"]) and "two processes" in (tmp_path / "B.md").read_text()
+
+
+def test_dashboard_bench_opens_a_long_job(tmp_path: Path) -> None:
+    d = run_quick("dashboard", tmp_path)
+    assert "error" not in d, d.get("traceback")
+    assert d["steps"] == 500 and _number(d["open_ms"]) and _number(d["open_vs_retrieve"])
+    assert 0 < d["points_drawn"] <= 2000 and d["curves_bytes"] > 0
+    assert "plain job retrieve" in (tmp_path / "B.md").read_text()
 
 
 def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:

@@ -31,8 +31,10 @@ from tunegate.follow import follow_job
 from tunegate.plot import resample, save_curve, save_curves, sparkline
 from tunegate.quickstart import (
     EXAMPLE_ENV,
+    QuickstartReport,
     create_tenant,
     environment_method,
+    print_summary,
     question_of,
     read_tasks,
     stack_ready,
@@ -88,6 +90,15 @@ def test_client_settings_from_options_and_settings() -> None:
         make_client(Settings())
     client = make_client(Settings(api_key="sk-tg-x", base_url="http://gw:1/v1"))  # type: ignore[arg-type]
     assert str(client.base_url).rstrip("/") == "http://gw:1/v1" and client.api_key == "sk-tg-x"
+
+
+def test_quickstart_summary_ends_with_the_jobs_dashboard_page(tmp_path: Path) -> None:
+    report = QuickstartReport(data_dir=tmp_path, base_url="http://127.0.0.1:8000/v1")
+    report.job_id = "ftjob-" + "x" * 24
+    console = Console(record=True, width=60)  # narrower than the line: it is still one line
+    print_summary(console, report, keep_running=True)
+    last = console.export_text().rstrip().splitlines()[-1]
+    assert last.split() == ["dashboard:", f"http://127.0.0.1:8000/dashboard/jobs/{report.job_id}"]
 
 
 def test_quickstart_method_and_tasks() -> None:
@@ -246,6 +257,8 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert tuned >= base + 25, text[-3000:]
     assert (data_dir / "quickstart" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert (data_dir / "admin_key").exists() and "the stack was stopped" in text
+    # It ends with the job's page in the dashboard.
+    assert re.search(rf"dashboard: +http://127\.0\.0\.1:{port}/dashboard/jobs/ftjob-[\w-]+$", text.rstrip())
     assert not stack_ready(f"http://127.0.0.1:{port}")
     leftovers = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

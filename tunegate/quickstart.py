@@ -356,6 +356,9 @@ def print_summary(console: Console, report: QuickstartReport, keep_running: bool
         lines.append("the stack is still running" if keep_running else "the stack was stopped")
     console.rule("where everything lives")
     console.print("\n".join(lines), highlight=False)
+    if report.job_id:  # last, on one line however narrow: the job in the browser (sign in with the API key)
+        url = f"{root_url(report.base_url)}/dashboard/jobs/{report.job_id}"
+        console.print(f"dashboard:        {url}", highlight=False, soft_wrap=True)
 
 
 def run_quickstart(
