@@ -121,7 +121,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
         f"{fmt(two['losses'][0] if two['losses'] else None, '.4f')} / "
         f"{fmt(two['losses'][-1] if two['losses'] else None, '.4f')} |",
         "",
-        f"Largest difference of the loss at any step: {fmt(report['max_loss_gap'], '.2e')}; two processes "
-        f"took {fmt(report['time_ratio'])}x the time of one (the start of a second process and a gradient "
-        "all-reduce each step, on the same cores).",
+        f"Largest difference of the loss at any step: {fmt(report['max_loss_gap'], '.2e')}. Two processes "
+        f"took {fmt(report['time_ratio'])}x the wall time of one, on the same cores: a second process to "
+        "start and an all-reduce of the adapter's gradients every step, against two processes' share of a "
+        "machine that other work also uses.",
     ]

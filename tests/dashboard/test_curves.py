@@ -41,16 +41,16 @@ async def _job(pool: asyncpg.Pool, org_id: str, steps: int) -> str:
         request_hash=None,
     )
     rows = [
-        (new_id("ftevent-"), job["id"], org_id, "info", f"Step {s}", "metrics", {"step": s}, f"metrics:{s}")
+        (new_id("ftevent-"), job.id, org_id, "info", f"Step {s}", "metrics", {"step": s}, f"metrics:{s}")
         for s in range(1, steps + 1)
     ]
     await pool.executemany(jobs_store.INSERT_EVENT, rows)
-    return str(job["id"])
+    return str(job.id)
 
 
 async def test_long_jobs_are_thinned_in_the_query(pool: asyncpg.Pool) -> None:
-    org = (await tenancy_store.create_org(pool, name="curves"))["id"]
-    other = (await tenancy_store.create_org(pool, name="curves-other"))["id"]
+    org = (await tenancy_store.create_org(pool, name="curves")).id
+    other = (await tenancy_store.create_org(pool, name="curves-other")).id
     job = await _job(pool, org, 10_000)
 
     kept, count, stride, cursor = await store.job_metrics(
