@@ -36,6 +36,7 @@ from gateway.serving.upstreams import ServingState
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.tinker.router import router as tinker_router
 from gateway.usage.metrics import UsageCollector
 from gateway.usage.router import router as usage_router
 from gateway.wire import check_request
@@ -137,4 +138,5 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router)
     app.include_router(graders_router)
     app.include_router(evals_router)
+    app.include_router(tinker_router)
     return app

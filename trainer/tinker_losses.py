@@ -20,10 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
-"""Losses this server computes."""
-UNSUPPORTED = ("stable_reinforce", "custom")
-"""Losses the SDK names that this server refuses with a clear error."""
+from trainer.spec import tinker_loss_error
 
 
 class LossInputError(ValueError):
@@ -32,11 +29,9 @@ class LossInputError(ValueError):
 
 def check_loss(name: str) -> None:
     """Refuse a loss name this server does not compute, naming the ones it does."""
-    if name in LOSSES:
-        return
-    if name in UNSUPPORTED:
-        raise LossInputError(f"The loss '{name}' is not supported by this server; use one of {list(LOSSES)}.")
-    raise LossInputError(f"Unknown loss function '{name}'; the built-in losses are {list(LOSSES)}.")
+    error = tinker_loss_error(name)
+    if error is not None:
+        raise LossInputError(error)
 
 
 def _need(inputs: dict[str, Any], name: str, loss: str) -> Any:

@@ -50,7 +50,8 @@ class Session:
         self.torch = torch
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
-        base = AutoModelForCausalLM.from_pretrained(req["base_path"], dtype=dtype).to(self.device)
+        base = AutoModelForCausalLM.from_pretrained(req["base_path"], dtype=dtype)
+        base = base.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to
         present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
         wanted = (ATTN_MODULES if req.get("train_attn", True) else ()) + (
             MLP_MODULES if req.get("train_mlp", True) else ()
@@ -111,7 +112,10 @@ class Session:
             total += float(loss.detach().sum())
             tokens += len(ids)
             outputs.append(
-                {"logprobs": logprobs.detach().cpu().tolist(), "elementwise_loss": loss.detach().cpu().tolist()}
+                {
+                    "logprobs": logprobs.detach().cpu().tolist(),
+                    "elementwise_loss": loss.detach().cpu().tolist(),
+                }
             )
         return {"outputs": outputs, "metrics": {"loss:sum": total}, "tokens": tokens}
 
@@ -131,7 +135,7 @@ class Session:
 
     def save_state(self, req: dict[str, Any]) -> dict[str, Any]:
         out = Path(req["dir"])
-        self.model.save_pretrained(out)
+        self.model.save_pretrained(str(out))
         if req.get("optimizer", True) and self.optimizer is not None:
             self.torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
         return {"size_bytes": _size(out)}
@@ -153,7 +157,7 @@ class Session:
 
     def save_sampler(self, req: dict[str, Any]) -> dict[str, Any]:
         out = Path(req["dir"])
-        self.model.save_pretrained(out)
+        self.model.save_pretrained(str(out))
         return {"size_bytes": _size(out)}
 
 

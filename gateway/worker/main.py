@@ -27,6 +27,7 @@ from gateway.jobs import store as jobs_store
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
+from gateway.tinker.holder import run_tinker_model
 from gateway.worker import presence, store
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
 from gateway.worker.resilience import Worker
@@ -155,7 +156,7 @@ def build_worker(settings: Settings) -> Worker:
     every = max(1, settings.requeue_interval_s)
     seconds = set(range(0, 60, every))
     return Worker(
-        functions=[run_job, run_eval],
+        functions=[run_job, run_eval, run_tinker_model],
         cron_jobs=[
             cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
