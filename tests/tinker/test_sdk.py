@@ -176,8 +176,12 @@ def test_other_organisations_and_bad_requests(
         tc.forward_backward([datum(DATA[0])], "hinge").result()  # type: ignore[arg-type]
 
 
-def test_a_key_without_the_prefix_or_revoked_is_refused(gw: GatewayServer) -> None:
-    with pytest.raises(tinker.TinkerError, match="tml-"):
-        tinker.ServiceClient(base_url=gw.url, api_key="sk-tg-not-prefixed")
+def test_an_unknown_or_revoked_key_is_refused(gw: GatewayServer, gw_admin: Admin) -> None:
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=gw.url, api_key="tml-sk-tg-unknown").get_server_capabilities()
+    org = gw_admin.tenant("tinker-revoked")
+    works = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+    assert works.get_server_capabilities().supported_models
+    gw_admin.http.delete(f"/v1/admin/api_keys/{org.key_id}").raise_for_status()
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key).get_server_capabilities()
