@@ -94,7 +94,9 @@ def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[np.
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
+    )
     model.eval()
     out = []
     with torch.no_grad():
@@ -106,13 +108,17 @@ def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[np.
 
 
 @pytest.mark.timeout(600)
-def test_sampler_weights_sample_and_answer_chat(gw: GatewayServer, org: Tenant, service: tinker.ServiceClient) -> None:
+def test_sampler_weights_sample_and_answer_chat(
+    gw: GatewayServer, org: Tenant, service: tinker.ServiceClient
+) -> None:
     tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=1)
     tc.forward_backward([datum(t) for t in DATA], "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
     sampler = tc.save_weights_and_get_sampling_client()
     res = sampler.sample(
-        types.ModelInput.from_ints(DATA[0][:4]), num_samples=2, sampling_params=types.SamplingParams(max_tokens=5)
+        types.ModelInput.from_ints(DATA[0][:4]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=5),
     ).result()
     assert len(res.sequences) == 2
     for seq in res.sequences:
