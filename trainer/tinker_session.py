@@ -13,7 +13,8 @@ Requests (`op`):
   (`trainer.tinker_losses`), and, unless `forward_only`, its gradient added to the adapter's.
 - `optim_step`: Adam's `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`: one
   AdamW step with these values, then the gradients are cleared.
-- `save_state` / `load_state`: `dir`, `optimizer`: the adapter (and the optimizer's state) to or from `dir`.
+- `save_state` / `load_state`: `dir`, `optimizer`: the adapter (and the optimizer's state) to or from `dir`
+  (`optimizer: "if_saved"` loads the optimizer's state when the directory holds one).
 - `save_sampler`: `dir`: the adapter alone in PEFT's layout, which is vLLM's LoRA contract.
 
 On CUDA the model runs in bfloat16, on the CPU in float32; the code is the same.
@@ -148,8 +149,10 @@ class Session:
         weights = load_file(str(src / "adapter_model.safetensors"), device=self.device)
         set_peft_model_state_dict(self.model, weights)
         self.optimizer = None
+        state = src / OPTIMIZER_FILE
+        if req.get("optimizer") == "if_saved":  # a resumed model: its optimizer, if it had stepped
+            req["optimizer"] = state.exists()
         if req.get("optimizer"):
-            state = src / OPTIMIZER_FILE
             if not state.exists():
                 raise LossInputError("This checkpoint was saved without optimizer state.")
             self._optimizer().load_state_dict(self.torch.load(state, map_location=self.device))

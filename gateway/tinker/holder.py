@@ -119,7 +119,9 @@ class Holder:
             init.update(self.model["lora_config"])
             await self._must(init)
             if self.model["resume_path"]:
-                await self._must({"op": "load_state", "dir": self.model["resume_path"], "optimizer": True})
+                await self._must(
+                    {"op": "load_state", "dir": self.model["resume_path"], "optimizer": "if_saved"}
+                )
             return await self._serve()
         except ProcessDied as exc:
             reason = (
