@@ -8,9 +8,11 @@ and check tenancy, errors and a killed worker.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -191,3 +193,39 @@ def test_an_unknown_or_revoked_key_is_refused(gw: GatewayServer, gw_admin: Admin
     gw_admin.http.delete(f"/v1/admin/api_keys/{org.key_id}").raise_for_status()
     with pytest.raises(tinker.AuthenticationError):
         tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key).get_server_capabilities()
+
+
+@pytest.mark.timeout(300)
+def test_training_and_sampling_tokens_are_metered(
+    gw: GatewayServer, gw_admin: Admin, service: tinker.ServiceClient
+) -> None:
+    org = gw_admin.tenant("tinker-metered")
+    client = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+    start = int(time.time()) - 5
+    tc = client.create_lora_training_client(base_model="tiny-chat", rank=4)
+    tc.forward_backward([datum(t) for t in DATA], "cross_entropy").result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    sampled = sampler.sample(
+        types.ModelInput.from_ints(DATA[0][:4]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=3),
+    ).result()
+    out_tokens = sum(len(s.tokens) for s in sampled.sequences)
+
+    deadline = time.monotonic() + 60
+    while True:
+        page = httpx.get(
+            f"{gw.url}/v1/organization/usage/completions",
+            params={"start_time": start, "bucket_width": "1h", "group_by": "model"},
+            headers={"Authorization": f"Bearer {org.key}"},
+        ).json()
+        by_model = {r["model"]: r for b in page["data"] for r in b["results"]}
+        trained = by_model.get(f"tinker-forward_backward:{tc.model_id}")
+        served = [r for m, r in by_model.items() if m.startswith("ft:tiny-chat:")]
+        if (trained and served) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert trained is not None and trained["input_tokens"] == sum(len(t) - 1 for t in DATA), by_model
+    assert served and served[0]["input_tokens"] == 4 and served[0]["output_tokens"] == out_tokens, (
+        by_model
+    )
