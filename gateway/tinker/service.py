@@ -350,6 +350,11 @@ async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[byt
             ), "application/json"
         if row["model_id"] is not None and await _holder_lost(res, row["model_id"]):
             continue  # its requests were failed just now
+        if row["kind"] == "sample" and row["age_s"] > SAMPLE_TIMEOUT_S + 30:  # its gateway went away
+            await store.finish(
+                res.pool, request_id=request_id, error="Sampling was interrupted.", category="server"
+            )
+            continue
         if time.monotonic() >= deadline:
             body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             return orjson.dumps(body), "application/json"

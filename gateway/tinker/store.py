@@ -89,7 +89,9 @@ TOUCH_MODEL = "UPDATE tinker_models SET last_request_at = now() WHERE id = $1"
 HOLDER = """
 SELECT worker_id, (heartbeat_at > now() - make_interval(secs => $2)) AS alive, lost
 FROM tinker_models WHERE id = $1"""
-GET_REQUEST = "SELECT * FROM tinker_requests WHERE id = $1 AND organization_id = $2"
+GET_REQUEST = """
+SELECT *, extract(epoch FROM now() - created_at)::float8 AS age_s FROM tinker_requests
+WHERE id = $1 AND organization_id = $2"""
 FINISH = """
 UPDATE tinker_requests SET status = $2, result = $3, result_type = $4, error = $5, category = $6,
        finished_at = now()
