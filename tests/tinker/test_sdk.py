@@ -226,6 +226,4 @@ def test_training_and_sampling_tokens_are_metered(
             break
         time.sleep(1)
     assert trained is not None and trained["input_tokens"] == sum(len(t) - 1 for t in DATA), by_model
-    assert served and served[0]["input_tokens"] == 4 and served[0]["output_tokens"] == out_tokens, (
-        by_model
-    )
+    assert served and served[0]["input_tokens"] == 4 and served[0]["output_tokens"] == out_tokens, by_model
