@@ -38,6 +38,7 @@ from gateway.serving.targets import ModelCache
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.tinker.router import router as tinker_router
 from gateway.usage.buffer import UsageBuffer
 from gateway.usage.metrics import UsageCollector
 from gateway.usage.router import router as usage_router
@@ -145,4 +146,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(graders_router)
     app.include_router(evals_router)
     install_dashboard(app)
+    app.include_router(tinker_router)
     return app

@@ -169,6 +169,9 @@ class Settings(BaseSettings):
     """How often a worker proves it is alive and checks for cancel/pause of its jobs."""
     stale_after_s: float = 30.0
     """A running job whose heartbeat is older than this is taken from its (dead) worker and re-queued."""
+    tinker_idle_timeout_s: float = Field(default=300.0, gt=0)
+    """A Tinker training model with no request for this long is saved and let go by its worker, freeing
+    the training slot; its next request loads it again (`gateway.tinker.holder`)."""
     worker_alive_after_s: float = Field(default=10.0, gt=0)
     """A worker that has not stamped its presence in Redis for this long counts as gone (`/readyz`,
     `tunegate_workers_alive`); workers stamp every `heartbeat_interval_s`."""

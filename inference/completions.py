@@ -67,23 +67,27 @@ def _within_context(engine: ModelEngine, tokens: int) -> None:
 class _Legacy:
     """Accumulates one choice in the legacy logprobs shape."""
 
-    def __init__(self, engine: ModelEngine, offset: int) -> None:
+    def __init__(self, engine: ModelEngine, offset: int, as_ids: bool = False) -> None:
         self.engine = engine
+        self.as_ids = as_ids
+        """vLLM's `return_tokens_as_token_ids`: tokens as `token_id:<id>`, so a client gets the exact ids."""
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top: list[dict[str, float] | None] = []
         self.offsets: list[int] = []
         self.offset = offset
 
+    def _token(self, tid: int) -> str:
+        return f"token_id:{tid}" if self.as_ids else self.engine.decode([tid], skip_special_tokens=False)
+
     def add_prompt(self, ids: list[int]) -> None:
         for tid in ids:
-            self._add(self.engine.decode([tid], skip_special_tokens=False), None, None)
+            self._add(self._token(tid), None, None)
 
     def add(self, entries: list[TokenLogprob]) -> None:
-        decode = self.engine.decode
         for e in entries:
-            top = {decode([t], skip_special_tokens=False): lp for t, lp in e.top}
-            self._add(decode([e.token_id], skip_special_tokens=False), e.logprob, top)
+            top = {self._token(t): lp for t, lp in e.top}
+            self._add(self._token(e.token_id), e.logprob, top)
 
     def _add(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
         self.tokens.append(token)
@@ -136,7 +140,10 @@ async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, A
             prompt_text = engine.decode(gen.prompt_ids, skip_special_tokens=False) if req.echo else ""
             texts = [prompt_text] * req.n
             reasons = ["stop"] * req.n
-            legacy = [_Legacy(engine, len(prompt_text) if not req.echo else 0) for _ in range(req.n)]
+            legacy = [
+                _Legacy(engine, len(prompt_text) if not req.echo else 0, req.return_tokens_as_token_ids)
+                for _ in range(req.n)
+            ]
             if req.echo and req.logprobs is not None:
                 for lg in legacy:
                     lg.add_prompt(gen.prompt_ids)

@@ -122,6 +122,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extra parameter: logprobs name each token `token_id:<id>` (not its text)."""
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(

@@ -94,21 +94,32 @@ class DevicePool:
 
     devices: list[Device]
     free: list[Device] = field(init=False)
+    lock: asyncio.Lock = field(init=False, repr=False)
+    """Held while claiming work for the free devices, so that what is free cannot change meanwhile."""
     _changed: asyncio.Condition = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.free = sorted(self.devices)
+        self.lock = asyncio.Lock()
         self._changed = asyncio.Condition()
 
     @property
     def size(self) -> int:
         return len(self.devices)
 
-    async def wait_for_free(self) -> int:
-        """Wait until at least one device is free; returns how many are."""
+    async def wait_for_free(self, count: int = 1) -> int:
+        """Wait until at least `count` devices are free; returns how many are."""
         async with self._changed:
-            await self._changed.wait_for(lambda: bool(self.free))
+            await self._changed.wait_for(lambda: len(self.free) >= count)
             return len(self.free)
+
+    async def acquire(self, count: int) -> list[Device]:
+        """`count` devices, once that many are free (under `lock`, like every claim)."""
+        while True:
+            await self.wait_for_free(count)
+            async with self.lock:
+                if len(self.free) >= count:
+                    return self.take(count)
 
     def take(self, count: int) -> list[Device]:
         """`count` free devices, lowest first (ValueError when fewer are free: never overcommitted)."""
@@ -141,17 +152,20 @@ class Launch:
     """CPU cores the trainer is confined to (CPU devices), or None."""
 
 
+def confine(devices: list[Device]) -> tuple[dict[str, str], set[int] | None]:
+    """What keeps a process to `devices`: the environment it gets (`CUDA_VISIBLE_DEVICES`; for CPU devices
+    also the threads of each process) and, for CPU devices, the cores it is pinned to."""
+    if devices[0].kind == "cuda":
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(d.index) for d in devices)}, None
+    cpus = {core for d in devices for core in d.cores} or None
+    threads = min(len(d.cores) or 1 for d in devices)
+    return {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}, cpus
+
+
 def launch(devices: list[Device], spec: str, *, parameters: int, port: int) -> Launch:
     """The command, environment and CPU confinement of a trainer on `devices` (`spec`: its SPEC.json)."""
     on_gpu = devices[0].kind == "cuda"
-    env: dict[str, str] = {}
-    cpus: set[int] | None = None
-    if on_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d.index) for d in devices)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        cpus = {core for d in devices for core in d.cores} or None
-        env["OMP_NUM_THREADS"] = str(min(len(d.cores) or 1 for d in devices))
+    env, cpus = confine(devices)
     how = strategy(len(devices), parameters)
     trainer = ["-m", "trainer", "run", spec]
     if how == "single":

@@ -27,6 +27,7 @@ from gateway.jobs import store as jobs_store
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
+from gateway.tinker.holder import run_tinker_model
 from gateway.worker import presence, store
 from gateway.worker.context import JobContext
 from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
@@ -48,7 +49,6 @@ async def startup(ctx: dict[str, Any]) -> None:
     await store.announce(
         ctx["pool"], worker_id=ctx["worker_id"], devices=ctx["devices"].size, kind=_kind(ctx)
     )
-    ctx["claiming"] = asyncio.Lock()
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
     ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
     ctx["presence"] = asyncio.create_task(
@@ -92,7 +92,7 @@ async def run_job(ctx: dict[str, Any], job_id: str) -> str:
     devices: DevicePool = ctx["devices"]
     while True:
         await devices.wait_for_free()
-        async with ctx["claiming"]:  # one claim at a time: what is free cannot change under it
+        async with devices.lock:  # one claim at a time: what is free cannot change under it
             free = len(devices.free)
             if not free:
                 continue
@@ -188,7 +188,7 @@ def build_worker(settings: Settings) -> Worker:
     every = max(1, settings.requeue_interval_s)
     seconds = set(range(0, 60, every))
     return Worker(
-        functions=[run_job, run_eval],
+        functions=[run_job, run_eval, run_tinker_model],
         cron_jobs=[
             cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),

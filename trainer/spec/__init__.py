@@ -59,8 +59,12 @@ from trainer.spec.job import (
     EnvironmentSpec,
     TrainerSpec,
 )
+from trainer.spec.tinker import TINKER_LOSSES, TINKER_REFUSED_LOSSES, tinker_loss_error
 
 __all__ = [
+    "TINKER_LOSSES",
+    "TINKER_REFUSED_LOSSES",
+    "tinker_loss_error",
     "DEVICES_BY_SIZE",
     "devices_for",
     "estimate_parameters",

@@ -1,0 +1,295 @@
+"""The worker side of the Tinker API: one training model held by one worker, in one training process.
+
+`run_tinker_model` (an arq job) takes a training slot (the slots jobs train in), claims the
+model in one guarded statement, starts `python -m trainer.tinker_session` (it dies with the worker) and
+answers the model's requests one at a time in `seq` order, writing each result to its row. While it holds
+the model it beats; a model whose holder stops beating for `stale_after_s` is lost (`gateway.tinker.service`
+fails its requests, so the SDK raises instead of waiting). A model idle for `tinker_idle_timeout_s` is saved
+(adapter and optimizer) and let go; its next request starts a process that loads that state first. A
+training process that dies fails the model's open requests with its last log line and marks the model
+lost: the client goes on from its last saved state (`create_training_client_from_state`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import orjson
+
+from gateway.blobstore import BlobStore
+from gateway.serving.engines import AdapterLoader
+from gateway.settings import Settings
+from gateway.tinker import store, wire
+from gateway.tinker.paths import checkpoint_key, served_model_id, tinker_path
+from gateway.worker.devices import Device, DevicePool, confine
+from gateway.worker.job.process import die_with_parent, trainer_env
+
+logger = logging.getLogger(__name__)
+
+POLL_MIN_S = 0.01
+POLL_MAX_S = 0.2
+
+
+class ProcessDied(Exception):
+    """The training process exited; its last log line says why."""
+
+
+class TrainingProcess:
+    """`python -m trainer.tinker_session` and its one-request-at-a-time pipe."""
+
+    def __init__(self, workdir: Path, device: Device) -> None:
+        self.workdir = workdir
+        self.device = device
+        self.log = workdir / "session.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        env, cpus = confine([self.device])
+        with open(self.log, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "trainer.tinker_session",
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=stderr,
+                env={**trainer_env(self.workdir), **env}, cwd=str(self.workdir),
+                preexec_fn=functools.partial(die_with_parent, cpus),
+                limit=256 * 1024 * 1024,
+            )  # fmt: skip
+
+    async def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and wait for its reply (`ok`, then `result` or `error` and `category`)."""
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            await proc.stdin.drain()
+            line = await proc.stdout.readline()
+        except (BrokenPipeError, ConnectionResetError):
+            line = b""
+        if not line:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+            raise ProcessDied(self.last_log_line() or f"exited with code {proc.returncode}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def last_log_line(self) -> str:
+        with contextlib.suppress(OSError):
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+            return lines[-1][-500:] if lines else ""
+        return ""
+
+    async def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+class Holder:
+    """One held model: its process, its beat, its requests."""
+
+    def __init__(self, model: asyncpg.Record, ctx: dict[str, Any], device: Device) -> None:
+        self.model = model
+        self.model_id: str = model["id"]
+        self.org_id: str = model["organization_id"]
+        self.settings: Settings = ctx["settings"]
+        self.pool: asyncpg.Pool = ctx["pool"]
+        self.blobs: BlobStore = ctx["blobs"]
+        self.worker_id: str = ctx["worker_id"]
+        self.workdir = self.blobs.root / "work" / "tinker" / self.model_id.replace(":", "_")
+        self.process = TrainingProcess(self.workdir, device)
+
+    async def run(self) -> str:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        await self.process.start()
+        beat = asyncio.create_task(self._beat())
+        try:
+            init = {"op": "init", "base_path": str(self.settings.base_models[self.model["base_model"]].path)}
+            init.update(self.model["lora_config"])
+            await self._must(init)
+            if self.model["resume_path"]:
+                await self._must(
+                    {"op": "load_state", "dir": self.model["resume_path"], "optimizer": "if_saved"}
+                )
+            return await self._serve()
+        except ProcessDied as exc:
+            reason = (
+                f"The training process of model {self.model_id} died ({exc}); its unsaved weights are lost."
+            )
+            logger.warning(reason)
+            await store.lose(self.pool, model_id=self.model_id, reason=reason)
+            return "lost"
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await self.process.stop()
+
+    async def _must(self, request: dict[str, Any]) -> None:
+        reply = await self.process.call(request)
+        if not reply["ok"]:
+            raise ProcessDied(reply["error"])
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await store.beat(self.pool, model_id=self.model_id, worker_id=self.worker_id)
+            except (OSError, asyncpg.PostgresError) as exc:
+                logger.warning("tinker model %s: beat failed: %s", self.model_id, exc)
+
+    async def _serve(self) -> str:
+        idle_since = time.monotonic()
+        wait = POLL_MIN_S
+        while True:
+            req = await store.next_request(self.pool, model_id=self.model_id)
+            if req is None:
+                if time.monotonic() - idle_since < self.settings.tinker_idle_timeout_s:
+                    await asyncio.sleep(wait)
+                    wait = min(wait * 2, POLL_MAX_S)
+                    continue
+                key = checkpoint_key(self.org_id, self.model_id, "idle", "resume")
+                saved = await self._save("save_state", key, optimizer=True)
+                if await store.release(
+                    self.pool, model_id=self.model_id, worker_id=self.worker_id, resume_path=saved
+                ):
+                    return "idle"
+                continue
+            wait = POLL_MIN_S
+            idle_since = time.monotonic()
+            await self._answer(req)
+
+    async def _save(self, op: str, key: str, *, optimizer: bool = False) -> str:
+        temp = self.blobs.new_temp()
+        try:
+            reply = await self.process.call({"op": op, "dir": str(temp), "optimizer": optimizer})
+            if not reply["ok"]:
+                raise RuntimeError(reply["error"])
+            return str(self.blobs.put_tree(temp, key))
+        finally:
+            shutil.rmtree(temp, ignore_errors=True)
+
+    async def _answer(self, req: asyncpg.Record) -> None:
+        kind: str = req["kind"]
+        payload: dict[str, Any] = req["payload"]
+        try:
+            result, result_type = await self._run(kind, payload)
+        except ProcessDied:
+            raise
+        except _UserError as exc:
+            await store.finish(self.pool, request_id=req["id"], error=str(exc), category="user")
+            return
+        except Exception as exc:  # noqa: BLE001 — the request's answer; the model lives on
+            logger.exception("tinker request %s (%s) failed", req["id"], kind)
+            await store.finish(self.pool, request_id=req["id"], error=str(exc), category="server")
+            return
+        await store.finish(self.pool, request_id=req["id"], result=result, result_type=result_type)
+
+    async def _run(self, kind: str, payload: dict[str, Any]) -> tuple[bytes, str]:
+        if kind in ("forward", "forward_backward"):
+            reply = await self.process.call({"op": "forward_backward", **payload})
+            _raise(reply)
+            out = reply["result"]
+            await store.meter(
+                self.pool, org_id=self.org_id, key_id=self.model["api_key_id"],
+                model=f"tinker-{kind}:{self.model_id}", base_model=self.model["base_model"],
+                tokens=out["tokens"],
+            )  # fmt: skip
+            return wire.encode_forward_output(out["outputs"], out["metrics"]), "proto"
+        if kind == "optim_step":
+            reply = await self.process.call({"op": "optim_step", **payload})
+            _raise(reply)
+            return orjson.dumps({"metrics": reply["result"]["metrics"]}), "json"
+        if kind == "load_weights":
+            reply = await self.process.call({"op": "load_state", **payload})
+            _raise(reply)
+            return orjson.dumps(
+                {"path": payload["path"], "model_id": self.model_id, "type": "load_weights"}
+            ), "json"
+        if kind == "save_weights":
+            name = payload["name"]
+            key = checkpoint_key(self.org_id, self.model_id, "weights", name)
+            path = await self._save("save_state", key, optimizer=True)
+            await store.add_checkpoint(
+                self.pool, org_id=self.org_id, model_id=self.model_id, kind="training", name=name, path=path,
+                served_model=None, with_optimizer=True, size_bytes=_size(Path(path)),
+                base_model=self.model["base_model"],
+            )  # fmt: skip
+            return orjson.dumps(
+                {"path": tinker_path(self.model_id, "training", name), "type": "save_weights"}
+            ), "json"
+        if kind == "save_weights_for_sampler":
+            return await self._save_sampler(payload), "json"
+        raise RuntimeError(f"unknown request kind {kind!r}")
+
+    async def _save_sampler(self, payload: dict[str, Any]) -> bytes:
+        name = payload["name"]
+        base = self.model["base_model"]
+        key = checkpoint_key(self.org_id, self.model_id, "sampler_weights", name)
+        path = await self._save("save_sampler", key)
+        served = served_model_id(base, self.org_id, self.model_id, name)
+        await store.add_checkpoint(
+            self.pool, org_id=self.org_id, model_id=self.model_id, kind="sampler", name=name, path=path,
+            served_model=served, with_optimizer=False, size_bytes=_size(Path(path)), base_model=base,
+        )  # fmt: skip
+        # the engines load it now, as after a fine-tuning job (a miss loads it on the first request anyway)
+        async with AdapterLoader(self.settings) as loader:
+            await loader.load_everywhere(served, base, path)
+        body: dict[str, Any] = {
+            "path": tinker_path(self.model_id, "sampler", name),
+            "type": "save_weights_for_sampler",
+        }
+        sampler_id = payload.get("sampler_id")
+        if sampler_id is not None:
+            await store.create_sampler(
+                self.pool, sampler_id=sampler_id, org_id=self.org_id, session_id=payload["session_id"],
+                base_model=base, model_path=body["path"], served_model=served,
+            )  # fmt: skip
+            body["sampling_session_id"] = sampler_id
+        return orjson.dumps(body)
+
+
+class _UserError(Exception):
+    """The training process refused a request as the caller's mistake."""
+
+
+def _raise(reply: dict[str, Any]) -> None:
+    if reply["ok"]:
+        return
+    if reply.get("category") == "user":
+        raise _UserError(reply["error"])
+    raise RuntimeError(reply["error"])
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+async def run_tinker_model(ctx: dict[str, Any], model_id: str) -> str:
+    """Hold `model_id` on one of the worker's devices, as a one-device job would, and answer its requests
+    until it is idle (or lost)."""
+    devices: DevicePool = ctx["devices"]
+    taken = await devices.acquire(1)
+    try:
+        model = await store.claim(ctx["pool"], model_id=model_id, worker_id=ctx["worker_id"])
+        if model is None:
+            return "held elsewhere"
+        return await Holder(model, ctx, taken[0]).run()
+    finally:
+        await devices.give_back(taken)

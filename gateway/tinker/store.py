@@ -1,0 +1,269 @@
+"""SQL of the Tinker API: sessions, training models, requests (futures), checkpoints and samplers.
+
+Every query of the API side filters by organisation. The holder side (`gateway.tinker.holder`, in the
+worker) addresses a model by id and guards each change by `worker_id`, as the job pipeline does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from gateway.db import Conn
+
+# ---------------------------------------------------------------------------------------------- sessions
+INSERT_SESSION = """
+INSERT INTO tinker_sessions (id, organization_id, api_key_id, tags, user_metadata, sdk_version)
+VALUES ($1, $2, $3, $4, $5, $6)"""
+BEAT_SESSION = """
+UPDATE tinker_sessions SET last_heartbeat_at = now() WHERE id = $1 AND organization_id = $2 RETURNING id"""
+
+
+async def create_session(
+    conn: Conn, *, session_id: str, org_id: str, key_id: str, tags: list[str], metadata: object, sdk: str
+) -> None:
+    await conn.execute(INSERT_SESSION, session_id, org_id, key_id, tags, metadata, sdk)
+
+
+async def beat_session(conn: Conn, *, session_id: str, org_id: str) -> bool:
+    return await conn.fetchval(BEAT_SESSION, session_id, org_id) is not None
+
+
+# ---------------------------------------------------------------------------------------------- models
+INSERT_MODEL = """
+INSERT INTO tinker_models (id, organization_id, api_key_id, session_id, base_model, lora_rank, lora_config,
+                           user_metadata, resume_path)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING *"""
+GET_MODEL = "SELECT * FROM tinker_models WHERE id = $1 AND organization_id = $2"
+LIST_MODELS = """
+SELECT * FROM tinker_models WHERE organization_id = $1 ORDER BY seq DESC LIMIT $2 OFFSET $3"""
+COUNT_MODELS = "SELECT count(*) FROM tinker_models WHERE organization_id = $1"
+
+
+async def create_model(
+    conn: Conn,
+    *,
+    model_id: str,
+    org_id: str,
+    key_id: str,
+    session_id: str,
+    base_model: str,
+    rank: int,
+    lora_config: dict[str, Any],
+    metadata: object,
+    resume_path: str | None = None,
+) -> asyncpg.Record:
+    row = await conn.fetchrow(
+        INSERT_MODEL,
+        model_id,
+        org_id,
+        key_id,
+        session_id,
+        base_model,
+        rank,
+        lora_config,
+        metadata,
+        resume_path,
+    )
+    assert row is not None
+    return row
+
+
+async def get_model(conn: Conn, *, model_id: str, org_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(GET_MODEL, model_id, org_id)
+
+
+async def list_models(
+    conn: Conn, *, org_id: str, limit: int, offset: int
+) -> tuple[list[asyncpg.Record], int]:
+    return await conn.fetch(LIST_MODELS, org_id, limit, offset), int(
+        await conn.fetchval(COUNT_MODELS, org_id)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- requests
+INSERT_REQUEST = """
+INSERT INTO tinker_requests (id, organization_id, model_id, kind, payload) VALUES ($1, $2, $3, $4, $5)"""
+TOUCH_MODEL = "UPDATE tinker_models SET last_request_at = now() WHERE id = $1"
+HOLDER = """
+SELECT worker_id, (heartbeat_at > now() - make_interval(secs => $2)) AS alive, lost
+FROM tinker_models WHERE id = $1"""
+GET_REQUEST = """
+SELECT *, extract(epoch FROM now() - created_at)::float8 AS age_s FROM tinker_requests
+WHERE id = $1 AND organization_id = $2"""
+FINISH = """
+UPDATE tinker_requests SET status = $2, result = $3, result_type = $4, error = $5, category = $6,
+       finished_at = now()
+WHERE id = $1 AND status IN ('pending', 'running')"""
+
+
+async def add_request(
+    conn: Conn, *, request_id: str, org_id: str, model_id: str | None, kind: str, payload: object
+) -> None:
+    await conn.execute(INSERT_REQUEST, request_id, org_id, model_id, kind, payload)
+    if model_id is not None:
+        await conn.execute(TOUCH_MODEL, model_id)
+
+
+async def holder(conn: Conn, *, model_id: str, stale_s: float) -> asyncpg.Record | None:
+    """`worker_id`, `alive` (its beat is fresh) and `lost` of a model (its organisation checked already)."""
+    return await conn.fetchrow(HOLDER, model_id, stale_s)
+
+
+async def get_request(conn: Conn, *, request_id: str, org_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(GET_REQUEST, request_id, org_id)
+
+
+async def finish(
+    conn: Conn,
+    *,
+    request_id: str,
+    result: bytes | None = None,
+    result_type: str = "json",
+    error: str | None = None,
+    category: str | None = None,
+) -> None:
+    status = "failed" if error is not None else "done"
+    await conn.execute(FINISH, request_id, status, result, result_type, error, category)
+
+
+# ---------------------------------------------------------------------------------------------- holder side
+CLAIM = """
+UPDATE tinker_models SET worker_id = $2, heartbeat_at = now()
+WHERE id = $1 AND lost IS NULL AND worker_id IS NULL
+RETURNING *"""
+BEAT = "UPDATE tinker_models SET heartbeat_at = now() WHERE id = $1 AND worker_id = $2 RETURNING id"
+NEXT = """
+UPDATE tinker_requests SET status = 'running'
+WHERE id = (SELECT id FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running')
+            ORDER BY seq LIMIT 1)
+RETURNING *"""
+RELEASE = """
+UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = coalesce($3, resume_path)
+WHERE id = $1 AND worker_id = $2
+  AND NOT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))
+RETURNING id"""
+LOSE = "UPDATE tinker_models SET lost = $2, worker_id = NULL WHERE id = $1 AND lost IS NULL RETURNING id"
+FAIL_OPEN = """
+UPDATE tinker_requests SET status = 'failed', error = $2, category = 'server', finished_at = now()
+WHERE model_id = $1 AND status IN ('pending', 'running')"""
+
+
+async def claim(conn: Conn, *, model_id: str, worker_id: str) -> asyncpg.Record | None:
+    """Hold `model_id` unless a worker does: a holder that died took the weights with it (the model is lost,
+    see `lose`), so a model is claimed only when free (new, or let go with its state saved)."""
+    return await conn.fetchrow(CLAIM, model_id, worker_id)
+
+
+async def beat(conn: Conn, *, model_id: str, worker_id: str) -> bool:
+    return await conn.fetchval(BEAT, model_id, worker_id) is not None
+
+
+async def next_request(conn: Conn, *, model_id: str) -> asyncpg.Record | None:
+    """The model's oldest open request (a running one first: a holder that took over answers it again)."""
+    return await conn.fetchrow(NEXT, model_id)
+
+
+async def release(conn: Conn, *, model_id: str, worker_id: str, resume_path: str | None) -> bool:
+    """Let the model go, unless a request came in meanwhile (then the caller keeps serving it)."""
+    return await conn.fetchval(RELEASE, model_id, worker_id, resume_path) is not None
+
+
+async def lose(pool: asyncpg.Pool, *, model_id: str, reason: str) -> None:
+    """The model's weights are gone: mark it, and fail its open requests with `reason`."""
+    async with pool.acquire() as c, c.transaction():
+        await c.execute(LOSE, model_id, reason)
+        await c.execute(FAIL_OPEN, model_id, reason)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+INSERT_CHECKPOINT = """
+INSERT INTO tinker_checkpoints (organization_id, model_id, kind, name, path, served_model, with_optimizer,
+                                size_bytes)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+ON CONFLICT (model_id, kind, name) DO UPDATE
+SET path = EXCLUDED.path, served_model = EXCLUDED.served_model, with_optimizer = EXCLUDED.with_optimizer,
+    size_bytes = EXCLUDED.size_bytes, created_at = now()
+RETURNING *"""
+GET_CHECKPOINT = """
+SELECT c.*, m.base_model, m.lora_rank, m.lora_config FROM tinker_checkpoints c
+JOIN tinker_models m ON m.id = c.model_id
+WHERE c.model_id = $1 AND c.kind = $2 AND c.name = $3 AND c.organization_id = $4"""
+LIST_CHECKPOINTS = """
+SELECT * FROM tinker_checkpoints WHERE organization_id = $1 AND ($2::text IS NULL OR model_id = $2)
+ORDER BY created_at DESC"""
+REGISTER_SERVED = """
+INSERT INTO models (id, organization_id, base_model, adapter_path) VALUES ($1, $2, $3, $4)
+ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path"""
+
+
+async def add_checkpoint(
+    pool: asyncpg.Pool,
+    *,
+    org_id: str,
+    model_id: str,
+    kind: str,
+    name: str,
+    path: str,
+    served_model: str | None,
+    with_optimizer: bool,
+    size_bytes: int | None,
+    base_model: str,
+) -> asyncpg.Record:
+    """Record a checkpoint; a sampler checkpoint also becomes the OpenAI model `served_model`."""
+    async with pool.acquire() as c, c.transaction():
+        if served_model is not None:
+            await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path)
+        row = await c.fetchrow(
+            INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes
+        )
+    assert row is not None
+    return row
+
+
+async def get_checkpoint(
+    conn: Conn, *, org_id: str, model_id: str, kind: str, name: str
+) -> asyncpg.Record | None:
+    return await conn.fetchrow(GET_CHECKPOINT, model_id, kind, name, org_id)
+
+
+async def list_checkpoints(conn: Conn, *, org_id: str, model_id: str | None) -> list[asyncpg.Record]:
+    return await conn.fetch(LIST_CHECKPOINTS, org_id, model_id)
+
+
+# ---------------------------------------------------------------------------------------------- samplers
+INSERT_SAMPLER = """
+INSERT INTO tinker_samplers (id, organization_id, session_id, base_model, model_path, served_model)
+VALUES ($1, $2, $3, $4, $5, $6)"""
+GET_SAMPLER = "SELECT * FROM tinker_samplers WHERE id = $1 AND organization_id = $2"
+
+
+async def create_sampler(
+    conn: Conn,
+    *,
+    sampler_id: str,
+    org_id: str,
+    session_id: str,
+    base_model: str,
+    model_path: str | None,
+    served_model: str,
+) -> None:
+    await conn.execute(INSERT_SAMPLER, sampler_id, org_id, session_id, base_model, model_path, served_model)
+
+
+async def get_sampler(conn: Conn, *, sampler_id: str, org_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow(GET_SAMPLER, sampler_id, org_id)
+
+
+# ---------------------------------------------------------------------------------------------- metering
+INSERT_USAGE = """
+INSERT INTO completion_usage (organization_id, api_key_id, model, base_model, prompt_tokens,
+                              completion_tokens, latency_ms, status, created_at)
+VALUES ($1, $2, $3, $4, $5, 0, 0, 200, now())"""
+
+
+async def meter(conn: Conn, *, org_id: str, key_id: str, model: str, base_model: str, tokens: int) -> None:
+    """Tokens a forward or forward_backward pass processed, as prompt tokens of `model`
+    (`tinker-forward_backward:<model id>`) in the usage table, priced and billed as completions are."""
+    await conn.execute(INSERT_USAGE, org_id, key_id, model, base_model, tokens)

@@ -1,0 +1,229 @@
+"""The official `tinker` SDK against a running stack (gateway, worker, engine) on `tiny-chat`.
+
+A training client is a LoRA adapter held by the worker's training process; these tests train it, compare its
+log-probabilities with transformers + PEFT, sample from it through the chat engines, round-trip its state
+and check tenancy, errors and a killed worker.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from gateway.tinker.paths import checkpoint_key, parse_tinker_path, served_model_id
+from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.stack import Admin, GatewayServer, Tenant
+
+STALE_S = 4.0
+gw = gateway_fixture("tinker", own_database=True, stale_after_s=STALE_S)
+worker = worker_fixture(
+    autouse=True,
+    TUNEGATE_STALE_AFTER_S=str(STALE_S),
+    TUNEGATE_TRAINING_SLOTS="2",
+    TUNEGATE_TINKER_IDLE_TIMEOUT_S="2",  # a finished test's model is saved and lets its slot go
+)
+
+DATA = [
+    [5, 17, 42, 9, 33, 7, 61, 12],
+    [8, 23, 4, 56, 19, 40, 11, 3],
+]
+
+
+def datum(tokens: list[int]) -> types.Datum:
+    """Next-token prediction on `tokens`, every target weighted 1."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+@pytest.fixture(scope="module")
+def org(gw_admin: Admin) -> Tenant:
+    return gw_admin.tenant("tinker")
+
+
+@pytest.fixture(scope="module")
+def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
+    client = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+    yield client
+
+
+def total_loss(out: types.ForwardBackwardOutput) -> float:
+    return out.metrics["loss:sum"]
+
+
+@pytest.mark.timeout(600)
+def test_training_lowers_the_loss_and_forward_matches_peft(
+    gw: GatewayServer, org: Tenant, service: tinker.ServiceClient
+) -> None:
+    caps = service.get_server_capabilities()
+    assert [m.model_name for m in caps.supported_models] == ["tiny-chat"]
+    tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=0)
+    assert tc.get_info().model_data.model_name == "tiny-chat"
+    data = [datum(t) for t in DATA]
+    losses = []
+    for _ in range(5):
+        fb = tc.forward_backward(data, "cross_entropy")
+        step = tc.optim_step(types.AdamParams(learning_rate=0.02))
+        losses.append(total_loss(fb.result()))
+        step.result()
+    after = total_loss(tc.forward(data, "cross_entropy").result())
+    assert losses[-1] < losses[0] and after < losses[0], (losses, after)
+
+    # forward's log-probabilities are those of transformers + PEFT on the same weights
+    saved = tc.save_weights_for_sampler("peft-check").result()
+    model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
+    adapter = gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, "sampler_weights", name)
+    out = tc.forward(data, "cross_entropy").result()
+    expected = _peft_logprobs(gw.settings.base_models["tiny-chat"].path, adapter, DATA)
+    for got, want in zip(out.loss_fn_outputs, expected, strict=True):
+        np.testing.assert_allclose(got["logprobs"].to_numpy(), want, atol=1e-4)
+
+    runs = service.create_rest_client().list_checkpoints(tc.model_id).result()
+    assert saved.path in [c.tinker_path for c in runs.checkpoints]
+
+
+def _peft_logprobs(base: Path, adapter: Path, rows: list[list[int]]) -> list[np.ndarray]:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
+    )
+    model.eval()
+    out = []
+    with torch.no_grad():
+        for tokens in rows:
+            logits = model(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+            lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            out.append(lp.numpy())
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_sampler_weights_sample_and_answer_chat(
+    gw: GatewayServer, org: Tenant, service: tinker.ServiceClient
+) -> None:
+    tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=1)
+    tc.forward_backward([datum(t) for t in DATA], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    res = sampler.sample(
+        types.ModelInput.from_ints(DATA[0][:4]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=5),
+    ).result()
+    assert len(res.sequences) == 2
+    for seq in res.sequences:
+        assert 1 <= len(seq.tokens) <= 5
+        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+        assert all(lp <= 0 for lp in seq.logprobs)
+
+    named = tc.save_weights_for_sampler("chat").result()
+    model_id, _, name = parse_tinker_path(named.path) or ("", "", "")
+    served = served_model_id("tiny-chat", org.org_id, model_id, name)
+    reply = org.client.chat.completions.create(
+        model=served, messages=[{"role": "user", "content": "1+1="}], max_tokens=4
+    )
+    assert reply.model == served and reply.usage is not None and reply.usage.completion_tokens > 0
+
+
+@pytest.mark.timeout(600)
+def test_state_round_trips_with_the_optimizer(service: tinker.ServiceClient) -> None:
+    tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=2)
+    data = [datum(t) for t in DATA]
+    adam = types.AdamParams(learning_rate=0.02)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(adam).result()
+    state = tc.save_state("after-one").result().path
+
+    def next_step_loss(client: tinker.TrainingClient) -> float:
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(adam).result()
+        return total_loss(client.forward(data, "cross_entropy").result())
+
+    at_save = total_loss(tc.forward(data, "cross_entropy").result())
+    continued = next_step_loss(tc)
+
+    tc.load_state_with_optimizer(state).result()
+    assert math.isclose(total_loss(tc.forward(data, "cross_entropy").result()), at_save, rel_tol=1e-5)
+    assert math.isclose(next_step_loss(tc), continued, rel_tol=1e-4)
+
+    # without the optimizer, Adam starts over: the same step lands elsewhere
+    tc.load_state(state).result()
+    assert not math.isclose(next_step_loss(tc), continued, rel_tol=1e-4)
+
+    # a new training client from the saved state, with its optimizer
+    restored = service.create_training_client_from_state_with_optimizer(state).result()
+    assert math.isclose(next_step_loss(restored), continued, rel_tol=1e-4)
+
+
+@pytest.mark.timeout(300)
+def test_other_organisations_and_bad_requests(
+    gw: GatewayServer, gw_admin: Admin, service: tinker.ServiceClient
+) -> None:
+    tc = service.create_lora_training_client(base_model="tiny-chat", rank=4)
+    other = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + gw_admin.tenant("tinker-other").key)
+    with pytest.raises(tinker.NotFoundError):
+        other.create_rest_client().get_training_run(tc.model_id).result()
+    with pytest.raises(tinker.NotFoundError):
+        other.create_rest_client().list_checkpoints(tc.model_id).result()
+
+    with pytest.raises(tinker.BadRequestError, match="Unknown base model 'no-such-model'"):
+        service.create_lora_training_client(base_model="no-such-model", rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="Unknown loss function 'hinge'"):
+        tc.forward_backward([datum(DATA[0])], "hinge").result()  # type: ignore[arg-type]
+
+
+def test_an_unknown_or_revoked_key_is_refused(gw: GatewayServer, gw_admin: Admin) -> None:
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=gw.url, api_key="tml-sk-tg-unknown").get_server_capabilities()
+    org = gw_admin.tenant("tinker-revoked")
+    works = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+    assert works.get_server_capabilities().supported_models
+    gw_admin.http.delete(f"/v1/admin/api_keys/{org.key_id}").raise_for_status()
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key).get_server_capabilities()
+
+
+@pytest.mark.timeout(300)
+def test_training_and_sampling_tokens_are_metered(
+    gw: GatewayServer, gw_admin: Admin, service: tinker.ServiceClient
+) -> None:
+    org = gw_admin.tenant("tinker-metered")
+    client = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+    start = int(time.time()) - 5
+    tc = client.create_lora_training_client(base_model="tiny-chat", rank=4)
+    tc.forward_backward([datum(t) for t in DATA], "cross_entropy").result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    sampled = sampler.sample(
+        types.ModelInput.from_ints(DATA[0][:4]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=3),
+    ).result()
+    out_tokens = sum(len(s.tokens) for s in sampled.sequences)
+
+    deadline = time.monotonic() + 60
+    while True:
+        page = httpx.get(
+            f"{gw.url}/v1/organization/usage/completions",
+            params={"start_time": start, "bucket_width": "1h", "group_by": "model"},
+            headers={"Authorization": f"Bearer {org.key}"},
+        ).json()
+        by_model = {r["model"]: r for b in page["data"] for r in b["results"]}
+        trained = by_model.get(f"tinker-forward_backward:{tc.model_id}")
+        served = [r for m, r in by_model.items() if m.startswith("ft:tiny-chat:")]
+        if (trained and served) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert trained is not None and trained["input_tokens"] == sum(len(t) - 1 for t in DATA), by_model
+    assert served and served[0]["input_tokens"] == 4 and served[0]["output_tokens"] == out_tokens, by_model

@@ -1,0 +1,18 @@
+"""The losses of the Tinker API's `forward_backward`: which the trainer computes, which it refuses by name."""
+
+from __future__ import annotations
+
+TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+"""The built-in losses of Tinker's `forward_backward` that `trainer.tinker_losses` computes."""
+TINKER_REFUSED_LOSSES = ("stable_reinforce", "custom")
+"""Losses the Tinker SDK names that need what this server does not keep (the sampler's recorded stability
+information; a traced loss graph run server-side): refused by name."""
+
+
+def tinker_loss_error(name: str) -> str | None:
+    """Why `name` is not a loss this server computes, or None when it is."""
+    if name in TINKER_LOSSES:
+        return None
+    if name in TINKER_REFUSED_LOSSES:
+        return f"The loss '{name}' is not supported by this server; use one of {list(TINKER_LOSSES)}."
+    return f"Unknown loss function '{name}'; the built-in losses are {list(TINKER_LOSSES)}."

@@ -1,0 +1,205 @@
+"""`python -m trainer.tinker_session`: one LoRA training model of the Tinker API, held for its whole life.
+
+The worker starts one such process per training model and sends it requests one at a time, in the order the
+client issued them, as JSON lines on stdin; each gets one JSON line on stdout: `{"ok": true, "result": ...}`
+or `{"ok": false, "error": message, "category": "user" | "server"}`. Logs go to stderr. The process knows
+nothing of the database or the queue: the worker reads the requests and writes the results.
+
+Requests (`op`):
+- `init`: `base_path`, `rank`, `seed`, `train_attn`, `train_mlp`: load the base model and add a fresh LoRA
+  adapter (PEFT, alpha 32, no dropout) on the attention and/or MLP projections.
+- `forward_backward`: `loss_fn`, `loss_fn_config`, `forward_only`, `data` (each `{"tokens": [...],
+  "inputs": {name: [...]}}`): per-token log-probabilities of `target_tokens`, the loss
+  (`trainer.tinker_losses`), and, unless `forward_only`, its gradient added to the adapter's.
+- `optim_step`: Adam's `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`: one
+  AdamW step with these values, then the gradients are cleared.
+- `save_state` / `load_state`: `dir`, `optimizer`: the adapter (and the optimizer's state) to or from `dir`
+  (`optimizer: "if_saved"` loads the optimizer's state when the directory holds one).
+- `save_sampler`: `dir`: the adapter alone in PEFT's layout, which is vLLM's LoRA contract.
+
+On CUDA the model runs in bfloat16, on the CPU in float32; the code is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from trainer.tinker_losses import LossInputError, check_loss, per_token_loss
+
+logger = logging.getLogger(__name__)
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class Session:
+    """The model, its adapter and its optimizer."""
+
+    def __init__(self, req: dict[str, Any]) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
+        base = AutoModelForCausalLM.from_pretrained(req["base_path"], dtype=dtype)
+        base = base.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to
+        present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+        wanted = (ATTN_MODULES if req.get("train_attn", True) else ()) + (
+            MLP_MODULES if req.get("train_mlp", True) else ()
+        )
+        targets = [m for m in wanted if m in present]
+        if not targets:
+            raise LossInputError("No layer to train: enable train_attn or train_mlp.")
+        if req.get("seed") is not None:
+            torch.manual_seed(int(req["seed"]))
+        config = LoraConfig(
+            r=int(req["rank"]), lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+            bias="none", task_type="CAUSAL_LM",
+        )  # fmt: skip
+        self.model = get_peft_model(base, config)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: Any = None
+
+    def _optimizer(self) -> Any:
+        if self.optimizer is None:
+            self.optimizer = self.torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        return self.optimizer
+
+    def forward_backward(self, req: dict[str, Any]) -> dict[str, Any]:
+        torch = self.torch
+        loss_fn = req["loss_fn"]
+        check_loss(loss_fn)
+        config = req.get("loss_fn_config") or {}
+        outputs: list[dict[str, list[float]]] = []
+        total = 0.0
+        tokens = 0
+        for i, datum in enumerate(req["data"]):
+            ids = datum["tokens"]
+            inputs = datum["inputs"]
+            if "target_tokens" not in inputs:
+                raise LossInputError(f"data[{i}] has no loss_fn_input 'target_tokens'.")
+            targets = [int(t) for t in inputs["target_tokens"]]
+            if len(targets) != len(ids):
+                raise LossInputError(
+                    f"data[{i}]: target_tokens has {len(targets)} entries for {len(ids)} input tokens."
+                )
+            floats = {
+                k: torch.tensor(v, dtype=torch.float32, device=self.device)
+                for k, v in inputs.items()
+                if k != "target_tokens"
+            }
+            for k, v in floats.items():
+                if v.numel() != len(ids):
+                    raise LossInputError(f"data[{i}]: {k} has {v.numel()} entries for {len(ids)} tokens.")
+            with torch.set_grad_enabled(not req.get("forward_only")):
+                x = torch.tensor([ids], device=self.device)
+                logits = self.model(input_ids=x).logits[0].float()
+                target = torch.tensor(targets, device=self.device)
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
+                loss = per_token_loss(loss_fn, logprobs, floats, config)
+                if not req.get("forward_only"):
+                    loss.sum().backward()
+            total += float(loss.detach().sum())
+            tokens += len(ids)
+            outputs.append(
+                {
+                    "logprobs": logprobs.detach().cpu().tolist(),
+                    "elementwise_loss": loss.detach().cpu().tolist(),
+                }
+            )
+        return {"outputs": outputs, "metrics": {"loss:sum": total}, "tokens": tokens}
+
+    def optim_step(self, req: dict[str, Any]) -> dict[str, Any]:
+        opt = self._optimizer()
+        for group in opt.param_groups:
+            group["lr"] = float(req.get("learning_rate", 1e-4))
+            group["betas"] = (float(req.get("beta1", 0.9)), float(req.get("beta2", 0.95)))
+            group["eps"] = float(req.get("eps", 1e-12))
+            group["weight_decay"] = float(req.get("weight_decay", 0.0))
+        norm = self.torch.nn.utils.clip_grad_norm_(
+            self.params, float(req["grad_clip_norm"]) if req.get("grad_clip_norm") else float("inf")
+        )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return {"metrics": {"grad_norm:mean": float(norm)}}
+
+    def save_state(self, req: dict[str, Any]) -> dict[str, Any]:
+        out = Path(req["dir"])
+        self.model.save_pretrained(str(out))
+        if req.get("optimizer", True) and self.optimizer is not None:
+            self.torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        return {"size_bytes": _size(out)}
+
+    def load_state(self, req: dict[str, Any]) -> dict[str, Any]:
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        src = Path(req["dir"])
+        weights = load_file(str(src / "adapter_model.safetensors"), device=self.device)
+        set_peft_model_state_dict(self.model, weights)
+        self.optimizer = None
+        state = src / OPTIMIZER_FILE
+        if req.get("optimizer") == "if_saved":  # a resumed model: its optimizer, if it had stepped
+            req["optimizer"] = state.exists()
+        if req.get("optimizer"):
+            if not state.exists():
+                raise LossInputError("This checkpoint was saved without optimizer state.")
+            self._optimizer().load_state_dict(self.torch.load(state, map_location=self.device))
+        return {}
+
+    def save_sampler(self, req: dict[str, Any]) -> dict[str, Any]:
+        out = Path(req["dir"])
+        self.model.save_pretrained(str(out))
+        return {"size_bytes": _size(out)}
+
+
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def serve(stdin: Any, stdout: Any) -> None:
+    """Answer requests until stdin closes."""
+    session: Session | None = None
+    for line in stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        try:
+            if req["op"] == "init":
+                session = Session(req)
+                result: dict[str, Any] = {}
+            else:
+                assert session is not None, "the first request must be init"
+                result = getattr(session, req["op"])(req)
+            reply: dict[str, Any] = {"ok": True, "result": result}
+        except (LossInputError, FileNotFoundError) as exc:
+            reply = {"ok": False, "error": str(exc), "category": "user"}
+        except Exception as exc:  # noqa: BLE001 — any failure is this request's answer, the process lives on
+            logger.error("request %s failed:\n%s", req.get("op"), traceback.format_exc())
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "category": "server"}
+        stdout.write(json.dumps(reply) + "\n")
+        stdout.flush()
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # library prints must not reach the replies
+    serve(sys.stdin, out)
+
+
+if __name__ == "__main__":
+    main()
