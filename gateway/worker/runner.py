@@ -165,7 +165,7 @@ class JobRun:
             await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, released.queue_generation)
         if released.status == "cancelled":
             self.cleanup()
-        return str(released.status)
+        return released.status
 
     async def _hand_back(self) -> None:
         """The worker is shutting down: stop the trainer (it checkpoints) and queue the job again."""
