@@ -42,7 +42,15 @@ from gateway.tenancy import scoped
 from gateway.worker import store
 from gateway.worker.job.ingest import Progress, ProgressEvent
 from gateway.worker.resilience import until_database_answers
-from trainer.spec import EVENT, INFERENCE_KEY_ENV, ErrorEvent, ResultEvent, StoppedEvent
+from trainer.spec import (
+    ENV_POOL_NAME_ENV,
+    ENV_POOL_REDIS_ENV,
+    EVENT,
+    INFERENCE_KEY_ENV,
+    ErrorEvent,
+    ResultEvent,
+    StoppedEvent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +89,14 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     if inference_key is not None:
         env[INFERENCE_KEY_ENV] = inference_key
     return env
+
+
+def env_pool_env(settings: Settings, job: asyncpg.Record) -> dict[str, str]:
+    """For an environment job: where the trainer finds the env servers (`trainer.envpool`)."""
+    method = job["method"] or {}
+    if not settings.redis_url or not (method.get(method.get("type"), {}) or {}).get("environment"):
+        return {}
+    return {ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool}
 
 
 def _die_with_parent() -> None:
@@ -132,6 +148,8 @@ class TrainerProcess:
         self.key_id: str | None = None
         """The key minted for this run's model graders, while the trainer runs."""
         self.key_renewed = 0.0
+        self.env_pool = env_pool_env(settings, job)
+        """The env servers' Redis and pool, for an environment job's trainer."""
 
     async def run(
         self, spec: Path, *, with_key: bool, record: Callable[[ProgressEvent], Awaitable[None]]
@@ -156,6 +174,7 @@ class TrainerProcess:
     async def _run(
         self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
     ) -> RunOutcome:
+        env = {**env, **self.env_pool}
         stderr_path = self.workdir / "trainer.log"
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
             self.proc = await asyncio.create_subprocess_exec(
