@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+from prometheus_client import Counter, Histogram
 
 from gateway.blobstore import BlobStore
 from gateway.jobs import store as jobs_store
@@ -23,6 +24,14 @@ from gateway.worker.job.spec import fine_tuned_model_name
 from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
 
 ProgressEvent = MetricsEvent | CheckpointEvent | MessageEvent
+ENV_WAIT = Histogram(
+    "tunegate_trainer_env_wait_seconds",
+    "Time a training step waited on its environment (its own sandbox or the env servers)",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+ENV_RETRIES = Counter(
+    "tunegate_trainer_env_retries_total", "Environment requests a trainer sent again to another env server"
+)
 """The events a run records as it goes; `result`, `error` and `stopped` end it instead."""
 
 
@@ -62,6 +71,7 @@ class Ingest:
         self.pool = pool
         self.blobs = blobs
         self.progress = progress
+        self.env_retries = 0.0
 
     async def record(self, event: ProgressEvent) -> None:
         """Record one event (once, also when a resumed run replays it)."""
@@ -87,6 +97,7 @@ class Ingest:
             self.progress.tokens_seen = data["tokens"]
         data.setdefault("step", event.step)
         data["total_steps"] = event.total_steps
+        self._env_metrics(data)
         await jobs_store.add_event(
             self.pool,
             job_id=self.job_id,
@@ -96,6 +107,15 @@ class Ingest:
             message=_metrics_message(event.step, event.total_steps, data),
             dedup_key=f"metrics:{event.step}",
         )
+
+    def _env_metrics(self, data: dict[str, Any]) -> None:
+        """The step's environment wait and the trainer's retries, on the worker's Prometheus metrics."""
+        wait, retries = data.get("env_wait_s"), data.get("env_retries")
+        if isinstance(wait, int | float):
+            ENV_WAIT.observe(wait)
+        if isinstance(retries, int | float) and retries > self.env_retries:
+            ENV_RETRIES.inc(retries - self.env_retries)
+            self.env_retries = float(retries)
 
     async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
         key = f"checkpoints/{self.org_id}/{self.job_id}/step-{step}"
