@@ -237,8 +237,10 @@ class RemoteSandbox:
             self._servers = servers
 
     def _pick(self, exclude: str | None = None, wait_s: float = NO_SERVER_WAIT_S) -> str:
-        """The registered, not draining server with the lowest load (what it reported, plus what this
-        client has sent it since); waits up to ``wait_s`` for one to register."""
+        """The registered, not draining server with the least of this client's work in flight for its
+        capacity, then the least load it reported (a report is up to a heartbeat old, so it only breaks
+        ties: this client's own requests of a moment ago are in it); waits up to ``wait_s`` for one to
+        register."""
         deadline = time.monotonic() + wait_s
         while True:
             with self._lock:
@@ -247,7 +249,9 @@ class RemoteSandbox:
                 if not candidates and exclude is not None:
                     candidates = [r for r in self._servers.values() if not r.draining]
                 if candidates:
-                    best = min(candidates, key=lambda r: ((r.inflight + mine[r.id]) / r.capacity, r.id))
+                    best = min(
+                        candidates, key=lambda r: (mine[r.id] / r.capacity, r.inflight / r.capacity, r.id)
+                    )
                     return best.id
             if time.monotonic() > deadline:
                 raise ServersLost(f"no env server is registered in pool {self.pool!r}")
