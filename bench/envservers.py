@@ -108,7 +108,7 @@ def run(opts: Options) -> dict[str, Any]:
     )
     overrides = {"TUNEGATE_ENV_POOL": pool, "TUNEGATE_ALLOW_UNSANDBOXED_ENVIRONMENTS": str(allow).lower()}
     servers: list[EnvServerProcess] = []
-    points = []
+    points: list[dict[str, Any]] = []
     try:
         for count in counts:
             while len(servers) < count:
