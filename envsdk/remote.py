@@ -170,6 +170,10 @@ class RemoteSandbox:
             return self._episode_call(method, params)
         return self.gather([self.submit(method, params)])[0]
 
+    def call_many(self, method: str, each: list[dict[str, Any]]) -> list[Any]:
+        """``method`` once per params of ``each``, all at once over the pool (``group_reward``'s groups)."""
+        return self.gather([self.submit(method, params) for params in each])
+
     def reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Score ``items`` in chunks on every free sandbox of the pool at once."""
         results: list[dict[str, Any]] = []

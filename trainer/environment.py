@@ -108,6 +108,16 @@ class EnvironmentSession:
     def _call(self, method: str, params: dict[str, Any]) -> Any:
         """One sandbox call; a dead sandbox is restarted before the next call. Env servers that keep dying
         on the package (``servers_lost``) fail the job."""
+        return self._guarded(lambda: self.sandbox.call(method, params))
+
+    def _call_each(self, method: str, each: list[dict[str, Any]]) -> list[Any]:
+        """``method`` once per params of ``each``: in turn here, all at once on env servers."""
+        many = getattr(self.sandbox, "call_many", None)
+        if many is None:
+            return [self._call(method, params) for params in each]
+        return list(self._guarded(lambda: many(method, each)))
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
         started = time.monotonic()
         try:
             if not self.sandbox.running:
@@ -115,7 +125,7 @@ class EnvironmentSession:
                     self.sandbox.start()
                 except SandboxError as exc:
                     raise SandboxError(exc.code, f"restart failed: {exc.message}") from None
-            return self.sandbox.call(method, params)
+            return call()
         except SandboxError as exc:
             if exc.code == "servers_lost":
                 raise TrainerError("environment_error", f"environment {self.name}: {exc.message}") from None
@@ -174,17 +184,15 @@ class EnvironmentSession:
 
     def _group_rewards(self, tasks: list[dict[str, Any]], completions: list[Any]) -> list[dict[str, Any]]:
         """``group_reward`` once per run of equal tasks (GRPO's groups are consecutive)."""
-        results: list[dict[str, Any]] = []
+        groups: list[dict[str, Any]] = []
         start = 0
         while start < len(tasks):
             end = start + 1
             while end < len(tasks) and tasks[end] == tasks[start]:
                 end += 1
-            results += self._call(
-                "group_reward", {"task": tasks[start], "completions": completions[start:end]}
-            )
+            groups.append({"task": tasks[start], "completions": completions[start:end]})
             start = end
-        return results
+        return [result for group in self._call_each("group_reward", groups) for result in group]
 
     # -- multi turn ----------------------------------------------------------------------------------
     def episode_reward_func(self) -> Callable[..., list[float | None]]:
