@@ -75,6 +75,8 @@ REQUESTS = Counter(
 )
 DRAIN_TIMEOUT_S = 120.0
 """Longest a draining server waits for its episodes before it stops anyway."""
+IDLE_PACKAGE_S = 600.0
+"""A package unused this long, with no episode open, has its sandboxes stopped (started again on demand)."""
 
 
 @dataclass
@@ -92,6 +94,7 @@ class _Warm:
     slots: list[_Slot] = field(default_factory=list)
     episodes: dict[str, int] = field(default_factory=dict)
     """Open episode -> index of the slot whose sandbox holds it."""
+    last_used: float = field(default_factory=time.monotonic)
 
 
 class EnvServer:
@@ -148,7 +151,20 @@ class EnvServer:
                 QUEUE.set(cast(int, self.redis.xlen(self.stream)))
             except redis.RedisError as exc:
                 logger.warning("env server %s: heartbeat failed: %s", self.id, exc)
+            self._stop_idle()
             self._stopping.wait(REGISTRATION_TTL_S / 3)
+
+    def _stop_idle(self) -> None:
+        """Stop the sandboxes of packages unused for ``IDLE_PACKAGE_S`` (none of their episodes open)."""
+        idle: list[_Slot] = []
+        with self._lock:
+            for key, warm in list(self._warm.items()):
+                quiet = time.monotonic() - warm.last_used > IDLE_PACKAGE_S
+                if quiet and not warm.episodes and not any(s.busy for s in warm.slots):
+                    idle += warm.slots
+                    del self._warm[key]
+        for slot in idle:
+            slot.sandbox.close()
 
     # -- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -325,6 +341,7 @@ class EnvServer:
                 self._lock.wait(0.5)
             slot = warm.slots[index]
             slot.busy = True
+            warm.last_used = time.monotonic()
             return index, slot
 
     def _forget_slot_episodes(self, warm: _Warm, index: int) -> None:
@@ -348,8 +365,9 @@ class EnvServer:
         key = (sha256, encode(sorted(config.items())))
         with self._lock:
             warm = self._warm.get(key)
-        if warm is not None:
-            return warm
+            if warm is not None:
+                warm.last_used = time.monotonic()  # not stopped as idle under the call about to use it
+                return warm
         package_dir = self._package(sha256)
         with self._lock:
             return self._warm.setdefault(key, _Warm(package_dir, config))
