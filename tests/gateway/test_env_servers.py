@@ -20,10 +20,13 @@ import pytest
 import redis
 
 from envsdk.remote_wire import live_servers, pool_key
+from gateway.settings import Settings
+from gateway.worker.job.process import env_pool_env
 from tests.gateway.test_environments import upload_package, write_package
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics, upload_rows, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
+from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_REDIS_ENV
 from tunegate.processes import EnvServerProcess
 
 pytestmark = pytest.mark.slow
@@ -184,3 +187,16 @@ def test_a_server_killed_mid_job_costs_the_job_nothing(
     assert last["env_retries"] >= 1  # the request lost with the server was sent again
     assert {r["server"] for r in records if r["method"] == "reward_batch"} & survivors
     no_duplicated_events(tenant, job_id)
+
+
+def test_only_an_environment_job_s_trainer_learns_where_the_pool_is() -> None:
+    settings = Settings(redis_url="redis://:secret@redis:6379/0", env_pool="gpu-a")
+    environment = {"type": "reinforcement", "reinforcement": {"environment": {"file_id": "file-x"}}}
+    grader = {"type": "reinforcement", "reinforcement": {"grader": {"type": "string_check"}}}
+    supervised = {"type": "supervised", "supervised": {}}
+    assert env_pool_env(settings, {"method": environment}) == {  # type: ignore[arg-type]
+        ENV_POOL_REDIS_ENV: "redis://:secret@redis:6379/0",
+        ENV_POOL_NAME_ENV: "gpu-a",
+    }
+    for method in (grader, supervised):
+        assert env_pool_env(settings, {"method": method}) == {}  # type: ignore[arg-type]

@@ -24,6 +24,7 @@ from gateway.worker.job.spec import fine_tuned_model_name
 from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
 
 ProgressEvent = MetricsEvent | CheckpointEvent | MessageEvent
+"""The events a run records as it goes; `result`, `error` and `stopped` end it instead."""
 ENV_WAIT = Histogram(
     "tunegate_trainer_env_wait_seconds",
     "Time a training step waited on its environment (its own sandbox or the env servers)",
@@ -32,7 +33,6 @@ ENV_WAIT = Histogram(
 ENV_RETRIES = Counter(
     "tunegate_trainer_env_retries_total", "Environment requests a trainer sent again to another env server"
 )
-"""The events a run records as it goes; `result`, `error` and `stopped` end it instead."""
 
 
 @dataclass

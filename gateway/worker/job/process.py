@@ -76,9 +76,9 @@ TRAINER_ENV_PREFIXES = (
 
 def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, str]:
     """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
-    worker's settings. The trainer reads its spec; the database and Redis URLs, the admin key and the Stripe
-    key stay in the worker. `inference_key`, the job's own key for its model graders, is the one secret it
-    gets."""
+    worker's settings. The trainer reads its spec; the database URL, the admin key and the Stripe key stay in
+    the worker. `inference_key`, the job's own key for its model graders, is the one secret it gets here; an
+    environment job's trainer also gets the Redis URL of the env servers' pool (`env_pool_env`)."""
     env = {
         name: value
         for name, value in os.environ.items()
