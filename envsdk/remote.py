@@ -323,13 +323,18 @@ class RemoteSandbox:
             for _, entries in answer:
                 for entry_id, fields in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                    self._resolve(fields[b"key"].decode(), decode(fields[b"data"]))
+                    try:
+                        self._resolve(fields[b"key"].decode(), decode(fields[b"data"]))
+                    except (KeyError, ValueError, UnicodeDecodeError) as exc:  # its request times out
+                        logger.warning("env pool %s: malformed reply %s: %s", self.pool, last_id, exc)
             if time.monotonic() >= next_watch:
                 next_watch = time.monotonic() + WATCH_S
                 try:
                     self._watch()
                 except redis.RedisError as exc:
                     logger.warning("env pool %s: watch failed: %s", self.pool, exc)
+                except Exception:  # the watch must go on, or a lost request would be waited for forever
+                    logger.exception("env pool %s: watch failed", self.pool)
 
     def _resolve(self, key: str, answer: dict[str, Any]) -> None:
         with self._lock:
