@@ -23,6 +23,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "streaming": ("bench.streaming", "Streaming: time to first token through the gateway vs direct"),
     "adapters": ("bench.adapters", "Adapters: cold load, first token, throughput with many adapters"),
     "sandbox": ("bench.sandbox", "Sandbox: reward calls per second, sandboxed vs in-process"),
+    "envservers": (
+        "bench.envservers",
+        "Env servers: reward throughput with 1, 2, 4 servers; step wait vs local",
+    ),
     "metering": ("bench.metering", "Metering: usage rows per second sustained, none lost"),
     "stalls": ("bench.stalls", "Stalls: one tenant's chat p99 while another sends the worst inputs"),
     "distributed": ("bench.distributed", "Distributed: two training processes (DDP) against one"),

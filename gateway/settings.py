@@ -119,6 +119,15 @@ class Settings(BaseSettings):
     allow_unsandboxed_environments: bool = False
     """Development only: run environment packages and python graders without a sandbox on a machine where
     neither bubblewrap nor unshare works. Never on a shared deployment."""
+    env_pool: str = "default"
+    """Pool of env servers (`tunegate env-server`) that serve this deployment's environment jobs. A worker
+    tells its trainers the Redis URL and this name; with a server of the pool registered, a job's rollouts
+    and rewards run there, else in the trainer's own sandbox. Env servers name the same pool."""
+    worker_metrics_port: int | None = None
+    """Port of a worker's Prometheus `/metrics` (its trainers' environment wait per step and retries);
+    unset: none."""
+    env_server_capacity: int = Field(default=4, ge=1)
+    """Sandboxes an env server runs at once per package (calls it serves at a time)."""
     sandbox_max_timeout_s: float = Field(default=60.0, gt=0)
     """Longest wall-clock time of one call into a sandbox (an environment package's `timeout_s` and a python
     grader's are capped by it; so is every sandbox the gateway, a worker or a trainer runs)."""

@@ -126,6 +126,17 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
         assert _number(p["sandbox_vs_in_process"]) and p["same_rewards"] is True
 
 
+def test_envservers_bench_scales_servers_against_local(report: dict[str, Any]) -> None:
+    e = report["benches"]["envservers"]
+    assert "error" not in e, e.get("traceback")
+    assert [p["servers"] for p in e["points"]] == [1, 2]
+    assert _number(e["local"]["step_wait_s"]) and _number(e["local"]["rewards_per_s"])
+    for p in e["points"]:
+        assert _number(p["rewards_per_s"]) and _number(p["speedup_vs_1"]) and _number(p["wait_vs_local"])
+        assert p["served_by"] == p["servers"]  # every server scored a share of the batches
+    assert "| env servers |" in report["_markdown"]
+
+
 def test_metering_bench_loses_no_usage(report: dict[str, Any]) -> None:
     m = report["benches"]["metering"]
     assert "error" not in m, m.get("traceback")

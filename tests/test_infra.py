@@ -59,6 +59,10 @@ def test_compose_file() -> None:
     assert {"postgres", "redis", "gateway", "worker", "engine", "worker-gpu", "vllm"} <= services.keys()
     assert "cpu" in services["engine"]["profiles"] and "gpu" in services["vllm"]["profiles"]
     assert services["vllm"]["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # env servers: a profile of their own (scaled with --scale), with the stack's Redis and settings
+    env_server = services["env-server"]
+    assert env_server["profiles"] == ["env-servers"] and env_server["command"][0] == "env-server"
+    assert "TUNEGATE_REDIS_URL" in env_server["environment"] and "ports" not in env_server
     gateway_env = services["gateway"]["environment"]
     for name in ("TUNEGATE_DATABASE_URL", "TUNEGATE_REDIS_URL", "TUNEGATE_ADMIN_KEY", "TUNEGATE_BASE_MODELS"):
         assert name in gateway_env
@@ -86,6 +90,8 @@ def test_kubernetes_objects() -> None:
         ("Service", "tunegate-gateway"),
         ("HorizontalPodAutoscaler", "tunegate-gateway"),
         ("Deployment", "tunegate-worker"),
+        ("Deployment", "tunegate-env-server"),
+        ("HorizontalPodAutoscaler", "tunegate-env-server"),
         ("Deployment", "vllm-tiny-chat"),
         ("Service", "vllm-tiny-chat"),
         ("Job", "tunegate-migrate"),
@@ -95,6 +101,13 @@ def test_kubernetes_objects() -> None:
         assert (kind, name) in objects, (kind, name)
     worker = objects[("Deployment", "tunegate-worker")]["spec"]["template"]["spec"]["containers"][0]
     assert worker["resources"]["requests"]["nvidia.com/gpu"] >= 1
+    # env servers run on CPU nodes, apart from the GPU workers, and scale with their own HPA
+    env_pod = objects[("Deployment", "tunegate-env-server")]["spec"]["template"]["spec"]
+    assert env_pod["containers"][0]["args"][0] == "env-server"
+    assert "nvidia.com/gpu" not in str(env_pod["containers"][0]["resources"])
+    assert "nvidia.com/gpu.present" in str(env_pod["affinity"])
+    env_hpa = objects[("HorizontalPodAutoscaler", "tunegate-env-server")]["spec"]
+    assert env_hpa["scaleTargetRef"]["name"] == "tunegate-env-server"
     hpa = objects[("HorizontalPodAutoscaler", "tunegate-gateway")]["spec"]
     assert hpa["scaleTargetRef"]["name"] == "tunegate-gateway"
     migrate = objects[("Job", "tunegate-migrate")]["spec"]["template"]["spec"]["containers"][0]

@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from envsdk.errors import EnvSDKError, SandboxError
 from envsdk.graders import parse_tool_calls
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
+from trainer.generation import generate_turn as _generate
+from trainer.generation import stop_ids
 from trainer.spec import TrainerSpec
 
 logger = logging.getLogger(__name__)
@@ -75,15 +77,10 @@ class EnvironmentSession:
     def __init__(self, spec: TrainerSpec) -> None:
         if spec.environment is None:
             raise TrainerError("invalid_spec", "environment.package_dir is required")
-        package_dir, config = spec.environment.package_dir, spec.environment.config
-        from envsdk.manifest import Maxima
-        from envsdk.sandbox import Sandbox
+        from trainer.envpool import open_sandbox
 
         try:
-            maxima = Maxima.from_dict(spec.sandbox_maxima)
-            self.sandbox = Sandbox(
-                Path(package_dir), config=config, maxima=maxima, allow_unsandboxed=spec.allow_unsandboxed
-            )
+            self.sandbox = open_sandbox(spec)  # on the env servers when any is registered, else here
             self.info: dict[str, Any] = self.sandbox.start()
         except EnvSDKError as exc:
             raise TrainerError("environment_error", f"the environment did not start: {exc.message}") from None
@@ -96,6 +93,8 @@ class EnvironmentSession:
         self.name = self.sandbox.manifest.name
         self._failed_batches = 0
         self.last_error: str | None = None
+        self.env_wait_s = 0.0
+        """Seconds spent waiting on environment calls since the last reset (``env_wait_s`` of a step)."""
         logger.info("environment %s (%s) started: %s", self.name, self.kind, self.info)
 
     @property
@@ -107,13 +106,40 @@ class EnvironmentSession:
 
     # -- calls and failure accounting ------------------------------------------------------------
     def _call(self, method: str, params: dict[str, Any]) -> Any:
-        """One sandbox call; a dead sandbox is restarted before the next call."""
-        if not self.sandbox.running:
-            try:
-                self.sandbox.start()
-            except SandboxError as exc:
-                raise SandboxError(exc.code, f"restart failed: {exc.message}") from None
-        return self.sandbox.call(method, params)
+        """One sandbox call; a dead sandbox is restarted before the next call. Env servers that keep dying
+        on the package (``servers_lost``) fail the job."""
+        return self._guarded(lambda: self.sandbox.call(method, params))
+
+    def _call_each(self, method: str, each: list[dict[str, Any]]) -> list[Any]:
+        """``method`` once per params of ``each``: in turn here, all at once on env servers."""
+        many = getattr(self.sandbox, "call_many", None)
+        if many is None:
+            return [self._call(method, params) for params in each]
+        return list(self._guarded(lambda: many(method, each)))
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        started = time.monotonic()
+        try:
+            if not self.sandbox.running:
+                try:
+                    self.sandbox.start()
+                except SandboxError as exc:
+                    raise SandboxError(exc.code, f"restart failed: {exc.message}") from None
+            return call()
+        except SandboxError as exc:
+            if exc.code == "servers_lost":
+                raise TrainerError("environment_error", f"environment {self.name}: {exc.message}") from None
+            raise
+        finally:
+            self.env_wait_s += time.monotonic() - started
+
+    def _waited(self, log: Callable[[str, float], Any]) -> None:
+        """Log the step's ``env_wait_s`` (and ``env_retries`` on env servers) and start counting again."""
+        log("env_wait_s", self.env_wait_s)
+        self.env_wait_s = 0.0
+        retries = getattr(self.sandbox, "retries", None)
+        if retries is not None:
+            log("env_retries", float(retries))
 
     def _batch_done(self, calls: int, failures: int, error: str | None) -> None:
         """Count a batch; ``environment_error`` after ``FAIL_AFTER`` batches of nothing but failures."""
@@ -150,6 +176,7 @@ class EnvironmentSession:
             failures = [r for r in results if r.get("reward") is None]
             error = next((str(r.get("error")) for r in failures), None)
             _log(kwargs, "episode_failures", float(len(failures)))
+            self._waited(lambda name, value: _log(kwargs, name, value))
             self._batch_done(len(results), len(failures), error)
             return [float(r["reward"]) if r.get("reward") is not None else 0.0 for r in results]
 
@@ -157,17 +184,15 @@ class EnvironmentSession:
 
     def _group_rewards(self, tasks: list[dict[str, Any]], completions: list[Any]) -> list[dict[str, Any]]:
         """``group_reward`` once per run of equal tasks (GRPO's groups are consecutive)."""
-        results: list[dict[str, Any]] = []
+        groups: list[dict[str, Any]] = []
         start = 0
         while start < len(tasks):
             end = start + 1
             while end < len(tasks) and tasks[end] == tasks[start]:
                 end += 1
-            results += self._call(
-                "group_reward", {"task": tasks[start], "completions": completions[start:end]}
-            )
+            groups.append({"task": tasks[start], "completions": completions[start:end]})
             start = end
-        return results
+        return [result for group in self._call_each("group_reward", groups) for result in group]
 
     # -- multi turn ----------------------------------------------------------------------------------
     def episode_reward_func(self) -> Callable[..., list[float | None]]:
@@ -197,6 +222,7 @@ class EnvironmentSession:
             trainer._log_metric("episode_failures", float(len(failures)))
             for name, value in info_metrics(episodes).items():
                 trainer._log_metric(name, value)
+            self._waited(trainer._log_metric)
             self._batch_done(len(episodes), len(failures), next((e.error for e in failures), None))
             return {
                 "prompt_ids": [e.prompt_ids for e in episodes],
@@ -279,7 +305,7 @@ class EnvironmentSession:
         ep.completion_ids += ids
         ep.env_mask += [1 if trained else 0] * len(ids)
         ep.turns += 1
-        finished = bool(ids) and ids[-1] in _stop_ids(tokenizer)
+        finished = bool(ids) and ids[-1] in stop_ids(tokenizer)
         if assistant is None:
             assistant = _assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
         ep.messages.append(assistant)
@@ -369,11 +395,6 @@ def _log(kwargs: dict[str, Any], name: str, value: float) -> None:
         log_metric(name, value)
 
 
-def _stop_ids(tokenizer: Any) -> set[int]:
-    ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    return {i for i in ids if isinstance(i, int)}
-
-
 def _template_ids(
     tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> list[int]:
@@ -401,7 +422,7 @@ def _assistant_turn_ids(
     if not full.startswith(prompt):
         raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
     ids = list(tokenizer.encode(full[len(prompt) :], add_special_tokens=False))
-    stops = _stop_ids(tokenizer)
+    stops = stop_ids(tokenizer)
     end = next((i for i, t in enumerate(ids) if t in stops), len(ids) - 1)
     return ids[: end + 1]
 
@@ -442,47 +463,6 @@ def _suffix_ids(tokenizer: Any, observation: list[dict[str, Any]], assistant: di
     if full[: len(prefix)] != prefix:
         raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
     return full[len(prefix) :]
-
-
-def _generate(
-    trainer: Any, contexts: list[list[int]], budgets: list[int], temperature: float
-) -> list[list[int]]:
-    """Sample one turn per context (left-padded batch; greedy at temperature 0); each result is cut after its
-    first stop token and at its own budget."""
-    import torch
-
-    tokenizer = trainer.processing_class
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    pad = tokenizer.pad_token_id
-    width = max(len(c) for c in contexts)
-    input_ids = torch.tensor([[pad] * (width - len(c)) + c for c in contexts], device=model.device)
-    attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
-    max_new = max(1, max(budgets))
-    stops = _stop_ids(tokenizer)
-    # Temperature 0 decodes greedily (evaluations); anything else samples from the whole distribution.
-    sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        if temperature > 0
-        else {"do_sample": False}
-    )
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention,
-            max_new_tokens=max_new,
-            pad_token_id=pad,
-            eos_token_id=list(stops),
-            **sampling,
-        )
-    results: list[list[int]] = []
-    for row, budget in zip(out[:, width:].tolist(), budgets, strict=True):
-        ids: list[int] = []
-        for token in row[: max(budget, 1)]:
-            ids.append(int(token))
-            if token in stops:
-                break
-        results.append(ids)
-    return results
 
 
 def environment_trainer_class() -> type:

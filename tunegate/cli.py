@@ -89,6 +89,34 @@ def worker() -> None:
     run_worker(settings)
 
 
+@app.command("env-server")
+def env_server(
+    capacity: Annotated[
+        int | None, typer.Option(help="Calls served at once (default: env_server_capacity).")
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="Pool to serve (default: env_pool).")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Port of its Prometheus /metrics.")] = None,
+) -> None:
+    """Host sandboxed environments for the trainers of a pool (needs TUNEGATE_REDIS_URL); scale by running
+    more. SIGTERM drains it."""
+    from envsdk.server import run_env_server
+
+    settings = Settings()
+    _logging(settings)
+    if not settings.redis_url:
+        typer.echo("TUNEGATE_REDIS_URL is not set.", err=True)
+        raise typer.Exit(2)
+    run_env_server(
+        settings.redis_url,
+        pool=pool or settings.env_pool,
+        capacity=capacity or settings.env_server_capacity,
+        data_dir=settings.data_dir / "env-server",
+        maxima=settings.sandbox_maxima(),
+        allow_unsandboxed=settings.allow_unsandboxed_environments,
+        metrics_port=metrics_port,
+    )
+
+
 @app.command()
 def inference(
     model: Annotated[list[str], typer.Option(help="NAME=PATH of a base model (repeatable).")],

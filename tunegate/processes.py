@@ -280,6 +280,51 @@ class WorkerProcess(Process):
         )
 
 
+class EnvServerProcess(Process):
+    """`python -m tunegate env-server` with `settings` and `overrides` (`TUNEGATE_*` variables) over them;
+    `wait_registered` returns its id once it is registered in its pool."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        log_path: Path | None = None,
+        *,
+        capacity: int = 2,
+        overrides: Mapping[str, str] | None = None,
+        metrics_port: int | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = (overrides or {}).get("TUNEGATE_ENV_POOL", settings.env_pool)
+        argv = [sys.executable, "-m", "tunegate", "env-server", "--capacity", str(capacity)]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
+        super().__init__(
+            argv, log_path, child_env(settings, **(overrides or {})), name="env-server", stop_timeout_s=150.0
+        )
+
+    def wait_registered(self, timeout_s: float = 60.0) -> str:
+        """Block until it is registered in its pool; its server id."""
+        import redis
+
+        from envsdk.remote_wire import live_servers
+
+        assert self.settings.redis_url
+        client = redis.Redis.from_url(self.settings.redis_url)
+        found: list[str] = []
+
+        def registered() -> bool:
+            found[:] = [r.id for r in live_servers(client, self.pool).values() if r.pid == self.pid]
+            return bool(found)
+
+        try:
+            _wait_until(
+                registered, "its registration", timeout_s, self.proc, name=self.name, log_path=self.log_path
+            )
+        finally:
+            client.close()
+        return found[0]
+
+
 class EngineProcess(Process):
     """`python -m inference` serving `models` (name -> local folder) on `host`:`port`."""
 

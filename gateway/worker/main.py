@@ -51,6 +51,10 @@ async def startup(ctx: dict[str, Any]) -> None:
     )
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
     ctx["spend"] = Buckets(make_limits_redis(settings.redis_url)) if settings.redis_url else None
+    if settings.worker_metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.worker_metrics_port)  # the trainers' environment wait (job/ingest.py)
     ctx["presence"] = asyncio.create_task(
         presence.keep_stamping(
             ctx["redis"], settings.queue_name, ctx["worker_id"], settings.heartbeat_interval_s

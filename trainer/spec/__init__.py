@@ -28,6 +28,8 @@ from trainer.spec.events import (
 from trainer.spec.hyperparameters import (
     DEFAULTS_FILE,
     DEVICES_BY_SIZE,
+    ENV_POOL_NAME_ENV,
+    ENV_POOL_REDIS_ENV,
     GENERIC_DEFAULTS,
     HYPERPARAMETERS,
     INFERENCE_KEY_ENV,
@@ -62,6 +64,8 @@ from trainer.spec.job import (
 from trainer.spec.tinker import TINKER_LOSSES, TINKER_REFUSED_LOSSES, tinker_loss_error
 
 __all__ = [
+    "ENV_POOL_NAME_ENV",
+    "ENV_POOL_REDIS_ENV",
     "TINKER_LOSSES",
     "TINKER_REFUSED_LOSSES",
     "tinker_loss_error",

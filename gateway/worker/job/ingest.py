@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import Counter, Histogram
+
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
 from gateway.worker import store
@@ -23,6 +25,14 @@ from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
 
 ProgressEvent = MetricsEvent | CheckpointEvent | MessageEvent
 """The events a run records as it goes; `result`, `error` and `stopped` end it instead."""
+ENV_WAIT = Histogram(
+    "tunegate_trainer_env_wait_seconds",
+    "Time a training step waited on its environment (its own sandbox or the env servers)",
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+)
+ENV_RETRIES = Counter(
+    "tunegate_trainer_env_retries_total", "Environment requests a trainer sent again to another env server"
+)
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Ingest:
     def __init__(self, ctx: JobContext[JobRow], *, progress: Progress) -> None:
         self.ctx = ctx
         self.progress = progress
+        self.env_retries = 0.0
 
     async def record(self, event: ProgressEvent) -> None:
         """Record one event (once, also when a resumed run replays it)."""
@@ -80,6 +91,7 @@ class Ingest:
             self.progress.tokens_seen = data["tokens"]
         data.setdefault("step", event.step)
         data["total_steps"] = event.total_steps
+        self._env_metrics(data)
         await jobs_store.add_event(
             self.ctx.pool,
             job_id=self.ctx.id,
@@ -89,6 +101,15 @@ class Ingest:
             message=_metrics_message(event.step, event.total_steps, data),
             dedup_key=f"metrics:{event.step}",
         )
+
+    def _env_metrics(self, data: dict[str, Any]) -> None:
+        """The step's environment wait and the trainer's retries, on the worker's Prometheus metrics."""
+        wait, retries = data.get("env_wait_s"), data.get("env_retries")
+        if isinstance(wait, int | float):
+            ENV_WAIT.observe(wait)
+        if isinstance(retries, int | float) and retries > self.env_retries:
+            ENV_RETRIES.inc(retries - self.env_retries)
+            self.env_retries = float(retries)
 
     async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
         key = f"checkpoints/{self.ctx.org_id}/{self.ctx.id}/step-{step}"

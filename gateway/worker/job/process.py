@@ -37,13 +37,23 @@ import asyncpg
 from pydantic import ValidationError
 
 from gateway.jobs.store import JobRow
+from gateway.settings import Settings
 from gateway.tenancy import scoped
 from gateway.worker import store
 from gateway.worker.context import JobContext
 from gateway.worker.devices import Device, cpu_devices, free_port, launch
 from gateway.worker.job.ingest import Progress, ProgressEvent
 from gateway.worker.resilience import until_database_answers
-from trainer.spec import EVENT, INFERENCE_KEY_ENV, ErrorEvent, ResultEvent, StoppedEvent, model_defaults
+from trainer.spec import (
+    ENV_POOL_NAME_ENV,
+    ENV_POOL_REDIS_ENV,
+    EVENT,
+    INFERENCE_KEY_ENV,
+    ErrorEvent,
+    ResultEvent,
+    StoppedEvent,
+    model_defaults,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +79,9 @@ TRAINER_ENV_PREFIXES = (
 
 def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, str]:
     """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
-    worker's settings. The trainer reads its spec; the database and Redis URLs, the admin key and the Stripe
-    key stay in the worker. `inference_key`, the job's own key for its model graders, is the one secret it
-    gets."""
+    worker's settings. The trainer reads its spec; the database URL, the admin key and the Stripe key stay in
+    the worker. `inference_key`, the job's own key for its model graders, is the one secret it gets here; an
+    environment job's trainer also gets the Redis URL of the env servers' pool (`env_pool_env`)."""
     env = {
         name: value
         for name, value in os.environ.items()
@@ -82,6 +92,14 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     if inference_key is not None:
         env[INFERENCE_KEY_ENV] = inference_key
     return env
+
+
+def env_pool_env(settings: Settings, job: JobRow) -> dict[str, str]:
+    """For an environment job: where the trainer finds the env servers (`trainer.envpool`)."""
+    method = job.method or {}
+    if not settings.redis_url or not (method.get(str(method.get("type")), {}) or {}).get("environment"):
+        return {}
+    return {ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool}
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:
@@ -134,6 +152,8 @@ class TrainerProcess:
         self.key_id: str | None = None
         """The key minted for this run's model graders, while the trainer runs."""
         self.key_renewed = 0.0
+        self.env_pool = env_pool_env(ctx.settings, ctx.row)
+        """The env servers' Redis and pool, for an environment job's trainer."""
 
     async def run(
         self, spec: Path, *, with_key: bool, record: Callable[[ProgressEvent], Awaitable[None]]
@@ -158,6 +178,7 @@ class TrainerProcess:
     async def _run(
         self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
     ) -> RunOutcome:
+        env = {**env, **self.env_pool}
         stderr_path = self.workdir / "trainer.log"
         plan = launch(self.devices, str(spec), parameters=self.parameters, port=free_port())
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant

@@ -1,0 +1,445 @@
+"""``tunegate env-server``: a process hosting sandboxed environments for the trainers of a pool.
+
+It serves the calls a trainer makes of its environment (``start``, ``reward_batch``, ``group_reward``,
+``reset``, ``step``, ``close_episode``) for many jobs and episodes at once, each in the same bubblewrap
+sandbox as a trainer's own (:class:`envsdk.sandbox.Sandbox`), over Redis Streams (:mod:`envsdk.remote_wire`
+has the key layout):
+
+* It registers itself (capacity, in-flight, packages warm) with a TTL its heartbeat refreshes, so clients find
+  it with nothing configured but Redis and the pool's name.
+* It reads its own request stream, at most ``capacity`` requests at a time. Each package (and config) gets up
+  to ``capacity`` sandboxes, started on demand and kept warm; a multi-turn episode stays in the sandbox that
+  ``reset`` it until it is done or closed.
+* A request past its deadline is dropped (its client has sent it elsewhere). A result is written once under
+  the request's idempotency key (``SET NX``) and only then answered, so a request served twice counts once.
+* SIGTERM drains: it says so in its registration (clients send it nothing new), serves what was sent to it
+  and the episodes it holds, then deregisters and stops its sandboxes. A second SIGTERM stops it at once.
+
+It is stateless apart from the episodes it holds: a client whose server died replays the episode on another
+server from its last completed turn (:mod:`envsdk.remote`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from envsdk.errors import EnvSDKError, SandboxError
+from envsdk.manifest import Maxima
+from envsdk.remote_wire import (
+    DEFAULT_POOL,
+    REGISTRATION_TTL_S,
+    RESULT_TTL_S,
+    Registration,
+    decode,
+    deregister,
+    encode,
+    get_bytes,
+    now,
+    package_key,
+    pool_key,
+    read_streams,
+    register,
+)
+from envsdk.sandbox import Sandbox
+
+logger = logging.getLogger(__name__)
+
+INFLIGHT = Gauge("tunegate_envserver_inflight", "Requests being served")
+EPISODES = Gauge("tunegate_envserver_open_episodes", "Multi-turn episodes held open")
+QUEUE = Gauge("tunegate_envserver_queue_depth", "Requests waiting in this server's stream")
+LATENCY = Histogram(
+    "tunegate_envserver_request_seconds",
+    "Time to serve one request, by method",
+    ["method"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+REQUESTS = Counter(
+    "tunegate_envserver_requests_total",
+    "Requests by method and outcome (ok, error, expired, duplicate)",
+    ["method", "outcome"],
+)
+DRAIN_TIMEOUT_S = 120.0
+"""Longest a draining server waits for its episodes before it stops anyway."""
+IDLE_PACKAGE_S = 600.0
+"""A package unused this long, with no episode open, has its sandboxes stopped (started again on demand)."""
+
+
+@dataclass
+class _Slot:
+    sandbox: Sandbox
+    busy: bool = False
+
+
+@dataclass
+class _Warm:
+    """The sandboxes of one package and config: up to ``capacity``, each running one call at a time."""
+
+    package_dir: Path
+    config: dict[str, Any]
+    slots: list[_Slot] = field(default_factory=list)
+    episodes: dict[str, int] = field(default_factory=dict)
+    """Open episode -> index of the slot whose sandbox holds it."""
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class EnvServer:
+    """One env server (see the module). ``serve()`` runs it until SIGTERM."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        pool: str = DEFAULT_POOL,
+        capacity: int = 4,
+        data_dir: Path,
+        maxima: Maxima | None = None,
+        allow_unsandboxed: bool = False,
+        server_id: str | None = None,
+    ) -> None:
+        self.redis = redis.Redis.from_url(redis_url)
+        self.pool = pool
+        self.capacity = max(1, capacity)
+        self.data_dir = Path(data_dir)
+        self.maxima = maxima or Maxima()
+        self.allow_unsandboxed = allow_unsandboxed
+        self.id = server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.stream = pool_key(pool, "requests", self.id)
+        self._lock = threading.Condition()
+        self._inflight = 0
+        self._warm: dict[tuple[str, str], _Warm] = {}
+        self._package_locks: dict[str, threading.Lock] = {}
+        self._stopping = threading.Event()
+        self._draining = threading.Event()
+        self._executor = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="env")
+
+    # -- registration ------------------------------------------------------------------------------
+    def registration(self) -> Registration:
+        with self._lock:
+            packages = sorted({sha for sha, _ in self._warm})
+            inflight = self._inflight
+        return Registration(
+            id=self.id,
+            capacity=self.capacity,
+            inflight=inflight,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            packages=packages,
+            draining=self._draining.is_set(),
+            started_at=self._started,
+        )
+
+    def _heartbeat(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                register(self.redis, self.pool, self.registration())
+                self.redis.expire(self.stream, int(RESULT_TTL_S))
+                QUEUE.set(cast(int, self.redis.xlen(self.stream)))
+            except redis.RedisError as exc:
+                logger.warning("env server %s: heartbeat failed: %s", self.id, exc)
+            self._stop_idle()
+            self._stopping.wait(REGISTRATION_TTL_S / 3)
+
+    def _stop_idle(self) -> None:
+        """Stop the sandboxes of packages unused for ``IDLE_PACKAGE_S`` (none of their episodes open)."""
+        idle: list[_Slot] = []
+        with self._lock:
+            for key, warm in list(self._warm.items()):
+                quiet = time.monotonic() - warm.last_used > IDLE_PACKAGE_S
+                if quiet and not warm.episodes and not any(s.busy for s in warm.slots):
+                    idle += warm.slots
+                    del self._warm[key]
+        for slot in idle:
+            slot.sandbox.close()
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Register, serve until SIGTERM, drain, deregister."""
+        self._started = now()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        register(self.redis, self.pool, self.registration())
+        beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
+        beat.start()
+        logger.info("env server %s serving pool %r with capacity %d", self.id, self.pool, self.capacity)
+        last_id = "0"
+        idle_since: float | None = None
+        drain_started = 0.0
+        try:
+            while True:
+                if self._draining.is_set():
+                    drain_started = drain_started or time.monotonic()
+                    if self._drained(idle_since) or time.monotonic() - drain_started > DRAIN_TIMEOUT_S:
+                        break
+                with self._lock:
+                    while self._inflight >= self.capacity:
+                        self._lock.wait(0.1)
+                    free = self.capacity - self._inflight
+                try:
+                    answer = read_streams(self.redis, {self.stream: last_id}, count=free, block=250)
+                except redis.RedisError as exc:
+                    logger.warning("env server %s: reading requests failed: %s", self.id, exc)
+                    time.sleep(0.5)
+                    continue
+                entries = [entry for _, batch in answer for entry in batch]
+                idle_since = (idle_since or time.monotonic()) if not entries else None
+                for entry_id, fields in entries:
+                    last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    with self._lock:
+                        self._inflight += 1
+                        INFLIGHT.set(self._inflight)
+                    self._executor.submit(self._serve_one, last_id, fields)
+        finally:
+            self._stopping.set()
+            self._executor.shutdown(wait=True)
+            try:
+                deregister(self.redis, self.pool, self.id)
+                self.redis.delete(self.stream)
+            except redis.RedisError as exc:
+                logger.warning("env server %s: could not deregister: %s", self.id, exc)
+            self._close_sandboxes()
+            logger.info("env server %s stopped", self.id)
+
+    def _drained(self, idle_since: float | None) -> bool:
+        with self._lock:
+            busy = self._inflight or any(w.episodes for w in self._warm.values())
+        return not busy and idle_since is not None and time.monotonic() - idle_since >= 1.0
+
+    def drain(self) -> None:
+        """Stop taking new work (clients see ``draining``), finish what it holds, then stop."""
+        if self._draining.is_set():
+            raise KeyboardInterrupt
+        logger.info("env server %s draining", self.id)
+        self._draining.set()
+        try:
+            register(self.redis, self.pool, self.registration())
+        except redis.RedisError:
+            pass
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.drain())
+        signal.signal(signal.SIGINT, lambda *_: self.drain())
+
+    # -- one request -------------------------------------------------------------------------------
+    def _serve_one(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        method = "unknown"
+        started = time.monotonic()
+        try:
+            request = decode(fields[b"data"])
+            method = str(request.get("method"))
+            self._answer(request, method)
+        except Exception:
+            logger.exception("env server %s: request %s failed", self.id, entry_id)
+            REQUESTS.labels(method, "error").inc()
+        finally:
+            LATENCY.labels(method).observe(time.monotonic() - started)
+            with self._lock:
+                self._inflight -= 1
+                INFLIGHT.set(self._inflight)
+                EPISODES.set(sum(len(w.episodes) for w in self._warm.values()))
+                self._lock.notify_all()
+            try:
+                self.redis.xdel(self.stream, entry_id)
+            except redis.RedisError:
+                pass
+
+    def _answer(self, request: dict[str, Any], method: str) -> None:
+        key = str(request["key"])
+        result_key = pool_key(self.pool, "result", key)
+        stored = get_bytes(self.redis, result_key)
+        if stored is not None:  # served already (by this server or another): answer the same again
+            REQUESTS.labels(method, "duplicate").inc()
+            self._reply(request, key, stored.decode())
+            return
+        if float(request.get("deadline") or 0) < now():
+            REQUESTS.labels(method, "expired").inc()
+            return
+        try:
+            result: dict[str, Any] = {"result": self._call(request, method), "server": self.id}
+            REQUESTS.labels(method, "ok").inc()
+        except EnvSDKError as exc:
+            result = {"error": {"code": exc.code, "message": exc.message}, "server": self.id}
+            REQUESTS.labels(method, "error").inc()
+        payload = encode(result)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(result_key, payload, nx=True, ex=RESULT_TTL_S)
+        if request.get("job"):
+            served = pool_key(self.pool, "served", str(request["job"]))
+            pipe.hsetnx(served, key, encode({"server": self.id, "method": method, "items": _items(request)}))
+            pipe.expire(served, RESULT_TTL_S)
+        written = pipe.execute()[0]
+        if not written:  # another server's answer counted first: send that one
+            REQUESTS.labels(method, "duplicate").inc()
+            payload = (get_bytes(self.redis, result_key) or payload.encode()).decode()
+        self._reply(request, key, payload)
+
+    def _reply(self, request: dict[str, Any], key: str, payload: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(str(request["reply"]), {"key": key, "data": payload}, maxlen=10000, approximate=True)
+        pipe.expire(str(request["reply"]), RESULT_TTL_S)
+        pipe.execute()
+
+    def _call(self, request: dict[str, Any], method: str) -> Any:
+        warm = self._warm_for(str(request["package"]), dict(request.get("config") or {}))
+        params = dict(request.get("params") or {})
+        episode = str(params["episode_id"]) if params.get("episode_id") is not None else None
+        index, slot = self._acquire(warm, episode if method != "reset" else None)
+        try:
+            if not slot.sandbox.running:
+                try:
+                    slot.sandbox.start()
+                except SandboxError as exc:
+                    raise SandboxError(exc.code, f"start failed: {exc.message}") from None
+            if method == "start":
+                return slot.sandbox.info
+            try:
+                result = slot.sandbox.call(method, params)
+            except SandboxError:
+                self._forget_slot_episodes(warm, index)
+                raise
+            with self._lock:
+                if method == "reset":
+                    warm.episodes[str(result["episode_id"])] = index
+                elif episode is not None and (method == "close_episode" or (result or {}).get("done")):
+                    warm.episodes.pop(episode, None)
+            return result
+        finally:
+            with self._lock:
+                slot.busy = False
+                self._lock.notify_all()
+
+    def _acquire(self, warm: _Warm, episode: str | None) -> tuple[int, _Slot]:
+        """The slot for a call: the episode's own, else an idle one (a new one while under capacity)."""
+        with self._lock:
+            while True:
+                if episode is not None and episode in warm.episodes:
+                    index = warm.episodes[episode]
+                    if not warm.slots[index].busy:
+                        break
+                else:
+                    idle = [i for i, s in enumerate(warm.slots) if not s.busy]
+                    if idle:
+                        index = min(idle, key=lambda i: sum(1 for v in warm.episodes.values() if v == i))
+                        break
+                    if len(warm.slots) < self.capacity:
+                        warm.slots.append(_Slot(self._sandbox(warm)))
+                        index = len(warm.slots) - 1
+                        break
+                self._lock.wait(0.5)
+            slot = warm.slots[index]
+            slot.busy = True
+            warm.last_used = time.monotonic()
+            return index, slot
+
+    def _forget_slot_episodes(self, warm: _Warm, index: int) -> None:
+        """A sandbox that failed a call was killed: the episodes it held are gone."""
+        if warm.slots[index].sandbox.running:
+            return
+        with self._lock:
+            for episode in [e for e, i in warm.episodes.items() if i == index]:
+                del warm.episodes[episode]
+
+    def _sandbox(self, warm: _Warm) -> Sandbox:
+        return Sandbox(
+            warm.package_dir,
+            config=warm.config,
+            maxima=self.maxima,
+            allow_unsandboxed=self.allow_unsandboxed,
+        )
+
+    # -- packages ----------------------------------------------------------------------------------
+    def _warm_for(self, sha256: str, config: dict[str, Any]) -> _Warm:
+        key = (sha256, encode(sorted(config.items())))
+        with self._lock:
+            warm = self._warm.get(key)
+            if warm is not None:
+                warm.last_used = time.monotonic()  # not stopped as idle under the call about to use it
+                return warm
+        package_dir = self._package(sha256)
+        with self._lock:
+            return self._warm.setdefault(key, _Warm(package_dir, config))
+
+    def _package(self, sha256: str) -> Path:
+        """The unpacked package of this content hash, fetched from Redis and checked the first time."""
+        from envsdk.archive import safe_extract
+
+        target = self.data_dir / "packages" / sha256
+        with self._lock:
+            lock = self._package_locks.setdefault(sha256, threading.Lock())
+        with lock:
+            if target.is_dir():
+                return target
+            data = get_bytes(self.redis, package_key(sha256))
+            if data is None:
+                raise SandboxError("package_missing", f"package {sha256} is not in the pool's store")
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise SandboxError("package_corrupt", f"package {sha256} does not match its hash")
+            staging = self.data_dir / "packages" / f".{sha256}.{uuid.uuid4().hex[:6]}"
+            staging.mkdir(parents=True)
+            archive = staging / "package.tar.gz"
+            archive.write_bytes(data)
+            unpacked = staging / "package"
+            safe_extract(archive, unpacked)
+            for path in (self.data_dir, self.data_dir / "packages", staging):
+                path.chmod(0o755)  # the sandbox's own uid reads the package
+            try:
+                unpacked.rename(target)
+            except OSError:  # another server sharing this data dir unpacked it first
+                if not target.is_dir():
+                    raise
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
+
+    def _close_sandboxes(self) -> None:
+        with self._lock:
+            slots = [s for w in self._warm.values() for s in w.slots]
+            self._warm.clear()
+        for slot in slots:
+            slot.sandbox.close()
+
+
+def _items(request: dict[str, Any]) -> int:
+    """Completions a request scores (1 for the calls of an episode)."""
+    params = request.get("params") or {}
+    return len(params.get("items") or params.get("completions") or [None])
+
+
+def run_env_server(
+    redis_url: str,
+    *,
+    pool: str,
+    capacity: int,
+    data_dir: Path,
+    maxima: Maxima | None = None,
+    allow_unsandboxed: bool = False,
+    metrics_port: int | None = None,
+) -> None:
+    """Run an env server in the foreground until SIGTERM (``tunegate env-server``)."""
+    if metrics_port:
+        start_http_server(metrics_port)
+    server = EnvServer(
+        redis_url,
+        pool=pool,
+        capacity=capacity,
+        data_dir=data_dir,
+        maxima=maxima,
+        allow_unsandboxed=allow_unsandboxed,
+    )
+    server.install_signals()
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        logger.warning("env server %s stopped without draining", server.id)

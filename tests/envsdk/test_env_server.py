@@ -1,0 +1,217 @@
+"""Env servers without a training stack: real `tunegate env-server` processes on the tests' Redis, driven by
+the trainer's client (`envsdk.remote.RemoteSandbox`) and by `trainer.environment.EnvironmentSession`.
+
+Each test names a pool of its own, so no other test's servers or trainers see its servers.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from envsdk.remote import RemoteSandbox
+from envsdk.remote_wire import live_servers, pool_key
+from envsdk.sandbox import Sandbox
+from gateway.settings import Settings
+from tests.support.stack import Services
+from tests.trainer.conftest import make_spec
+from trainer.data import ITEM_COLUMN
+from trainer.errors import TrainerError
+from trainer.run import read_spec
+from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_REDIS_ENV
+from tunegate.processes import EnvServerProcess
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
+SLOW = """
+import time
+
+from envsdk import SingleTurnEnv
+
+
+class Env(SingleTurnEnv):
+    def reward(self, task, completion):
+        time.sleep(30)
+        return 1.0
+
+    def group_reward(self, task, completions):
+        return [float(len(c)) for c in completions]
+"""
+
+Start = Callable[..., dict[str, EnvServerProcess]]
+
+
+@pytest.fixture
+def pool() -> str:
+    return "t-" + secrets.token_hex(3)
+
+
+@pytest.fixture
+def redis_client(services: Services) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(services.redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def start_servers(services: Services, tmp_path: Path, pool: str, sandbox_backend: str) -> Iterator[Start]:
+    """Start env servers of the test's pool; by server id. All are stopped after the test."""
+    started: list[EnvServerProcess] = []
+    settings = Settings(redis_url=services.redis_url, data_dir=tmp_path / "servers")
+
+    def start(count: int, capacity: int = 2) -> dict[str, EnvServerProcess]:
+        new = [
+            EnvServerProcess(
+                settings,
+                tmp_path / f"server-{len(started) + i}.log",
+                capacity=capacity,
+                overrides={"TUNEGATE_ENV_POOL": pool},
+            )
+            for i in range(count)
+        ]
+        started.extend(new)
+        return {server.wait_registered(): server for server in new}
+
+    yield start
+    for server in started:
+        if server.poll() is None:
+            server.kill()
+
+
+def guess_task() -> dict[str, Any]:
+    return json.loads((EXAMPLES / "guess_number" / "tasks.jsonl").read_text().splitlines()[0])
+
+
+def play(box: Any, guesses: list[str]) -> list[Any]:
+    """Reset an episode of guess_number and step it with each guess; the step results."""
+    opened = box.call("reset", {"task": guess_task()})
+    steps = []
+    for guess in guesses:
+        message = {"role": "assistant", "content": guess}
+        steps.append(box.call("step", {"episode_id": opened["episode_id"], "assistant_message": message}))
+    return steps
+
+
+def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
+    start_servers: Start, services: Services, pool: str, redis_client: redis.Redis
+) -> None:
+    servers = start_servers(2)
+    remote = RemoteSandbox(services.redis_url, EXAMPLES / "guess_number", pool=pool, job_id="ftjob-replay")
+    local = Sandbox(EXAMPLES / "guess_number")
+    try:
+        remote.start()
+        local.start()
+        opened = remote.call("reset", {"task": guess_task()})
+        episode = opened["episode_id"]
+        first = remote.call(
+            "step", {"episode_id": episode, "assistant_message": {"role": "assistant", "content": "10"}}
+        )
+        holder = remote._episodes[episode].server
+        servers[holder].kill()
+        second = remote.call(
+            "step", {"episode_id": episode, "assistant_message": {"role": "assistant", "content": "5"}}
+        )
+        # the same two turns played in a sandbox of our own: the replayed episode is in the same state
+        assert [first, second] == play(local, ["10", "5"])
+        assert remote.retries == 1 and remote._episodes[episode].server != holder
+        assert holder not in live_servers(redis_client, pool)
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_sigterm_drains_a_server_after_its_episodes(
+    start_servers: Start, services: Services, pool: str, redis_client: redis.Redis
+) -> None:
+    ((server_id, server),) = start_servers(1).items()
+    remote = RemoteSandbox(services.redis_url, EXAMPLES / "guess_number", pool=pool, job_id="ftjob-drain")
+    try:
+        remote.start()
+        opened = remote.call("reset", {"task": guess_task()})
+        server.terminate()
+        deadline = time.monotonic() + 10
+        while not live_servers(redis_client, pool)[server_id].draining:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # draining: it takes no new work, but the episode it holds goes on there
+        message = {"role": "assistant", "content": "3"}
+        step = remote.call("step", {"episode_id": opened["episode_id"], "assistant_message": message})
+        assert step["error"] is None and server.poll() is None
+        remote.call("close_episode", {"episode_id": opened["episode_id"]})
+        assert server.proc.wait(timeout=30) == 0  # then it stops by itself, deregistered
+        assert live_servers(redis_client, pool) == {}
+        assert not redis_client.exists(pool_key(pool, "requests", server_id))
+    finally:
+        remote.close()
+
+
+def test_a_package_that_keeps_losing_servers_fails_the_job(
+    start_servers: Start,
+    services: Services,
+    pool: str,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    package = tmp_path / "slow"
+    package.mkdir()
+    (package / "environment.toml").write_text('name = "slow"\nversion = "0.1.0"\nentrypoint = "env:Env"\n')
+    (package / "env.py").write_text(SLOW)
+    servers = start_servers(3, capacity=1)
+    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
+    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+    from trainer.environment import EnvironmentSession
+
+    environment = {"package_dir": str(package), "config": {}}
+    rows = [{"messages": [{"role": "user", "content": "q"}]}]
+    spec = read_spec(make_spec(tmp_path, tiny_model_dir, "reinforcement", rows, environment=environment))
+    session = EnvironmentSession(spec)  # servers are registered: the one place chose them
+    try:
+        assert session.sandbox.backend == f"env servers of pool {pool!r}"
+        reward = session.reward_func()
+        task = json.dumps({"messages": [{"role": "user", "content": "q"}]})
+        # group rewards are served by the pool, each group at once
+        assert session.uses_group_reward
+        assert reward([None] * 3, ["a", "bb", "ccc"], **{ITEM_COLUMN: [task] * 3}) == [1.0, 2.0, 3.0]
+        session.uses_group_reward = False
+        failed: list[BaseException] = []
+
+        def score() -> None:
+            try:
+                reward([None], ["x"], **{ITEM_COLUMN: [task]})
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                failed.append(exc)
+
+        scoring = threading.Thread(target=score)
+        scoring.start()
+        killed = 0
+        deadline = time.monotonic() + 60
+        while killed < 3:  # each server that takes the request dies with it
+            assert time.monotonic() < deadline and not failed, failed
+            for server_id, server in servers.items():
+                if server.poll() is None and services_stream_len(services, pool, server_id):
+                    server.proc.send_signal(signal.SIGKILL)
+                    server.proc.wait()
+                    killed += 1
+            time.sleep(0.05)
+        scoring.join(timeout=30)
+        assert len(failed) == 1 and isinstance(failed[0], TrainerError), failed
+        assert failed[0].code == "environment_error" and "lost on 3 env servers" in failed[0].message
+    finally:
+        session.close()
+
+
+def services_stream_len(services: Services, pool: str, server_id: str) -> int:
+    client = redis.Redis.from_url(services.redis_url)
+    try:
+        return int(client.xlen(pool_key(pool, "requests", server_id)))
+    finally:
+        client.close()
