@@ -31,6 +31,7 @@ from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.tinker import store, wire
 from gateway.tinker.paths import checkpoint_key, served_model_id, tinker_path
+from gateway.tinker.rows import RequestRow, TrainingModelRow
 from gateway.worker.devices import Device, DevicePool, confine
 from gateway.worker.job.process import die_with_parent, trainer_env
 
@@ -104,10 +105,10 @@ class TrainingProcess:
 class Holder:
     """One held model: its process, its beat, its requests."""
 
-    def __init__(self, model: asyncpg.Record, ctx: dict[str, Any], device: Device) -> None:
+    def __init__(self, model: TrainingModelRow, ctx: dict[str, Any], device: Device) -> None:
         self.model = model
-        self.model_id: str = model["id"]
-        self.org_id: str = model["organization_id"]
+        self.model_id = model.id
+        self.org_id = model.organization_id
         self.settings: Settings = ctx["settings"]
         self.pool: asyncpg.Pool = ctx["pool"]
         self.blobs: BlobStore = ctx["blobs"]
@@ -120,13 +121,11 @@ class Holder:
         await self.process.start()
         beat = asyncio.create_task(self._beat())
         try:
-            init = {"op": "init", "base_path": str(self.settings.base_models[self.model["base_model"]].path)}
-            init.update(self.model["lora_config"])
+            init = {"op": "init", "base_path": str(self.settings.base_models[self.model.base_model].path)}
+            init.update(self.model.lora_config)
             await self._must(init)
-            if self.model["resume_path"]:
-                await self._must(
-                    {"op": "load_state", "dir": self.model["resume_path"], "optimizer": "if_saved"}
-                )
+            if self.model.resume_path:
+                await self._must({"op": "load_state", "dir": self.model.resume_path, "optimizer": "if_saved"})
             return await self._serve()
         except ProcessDied as exc:
             reason = (
@@ -185,21 +184,20 @@ class Holder:
         finally:
             shutil.rmtree(temp, ignore_errors=True)
 
-    async def _answer(self, req: asyncpg.Record) -> None:
-        kind: str = req["kind"]
-        payload: dict[str, Any] = req["payload"]
+    async def _answer(self, req: RequestRow) -> None:
+        kind = req.kind
         try:
-            result, result_type = await self._run(kind, payload)
+            result, result_type = await self._run(kind, req.payload)
         except ProcessDied:
             raise
         except _UserError as exc:
-            await store.finish(self.pool, request_id=req["id"], error=str(exc), category="user")
+            await store.finish(self.pool, request_id=req.id, error=str(exc), category="user")
             return
         except Exception as exc:  # noqa: BLE001 — the request's answer; the model lives on
-            logger.exception("tinker request %s (%s) failed", req["id"], kind)
-            await store.finish(self.pool, request_id=req["id"], error=str(exc), category="server")
+            logger.exception("tinker request %s (%s) failed", req.id, kind)
+            await store.finish(self.pool, request_id=req.id, error=str(exc), category="server")
             return
-        await store.finish(self.pool, request_id=req["id"], result=result, result_type=result_type)
+        await store.finish(self.pool, request_id=req.id, result=result, result_type=result_type)
 
     async def _run(self, kind: str, payload: dict[str, Any]) -> tuple[bytes, str]:
         if kind in ("forward", "forward_backward"):
@@ -207,8 +205,8 @@ class Holder:
             _raise(reply)
             out = reply["result"]
             await store.meter(
-                self.pool, org_id=self.org_id, key_id=self.model["api_key_id"],
-                model=f"tinker-{kind}:{self.model_id}", base_model=self.model["base_model"],
+                self.pool, org_id=self.org_id, key_id=self.model.api_key_id,
+                model=f"tinker-{kind}:{self.model_id}", base_model=self.model.base_model,
                 tokens=out["tokens"],
             )  # fmt: skip
             return wire.encode_forward_output(out["outputs"], out["metrics"]), "proto"
@@ -229,7 +227,7 @@ class Holder:
             await store.add_checkpoint(
                 self.pool, org_id=self.org_id, model_id=self.model_id, kind="training", name=name, path=path,
                 served_model=None, with_optimizer=True, size_bytes=_size(Path(path)),
-                base_model=self.model["base_model"],
+                base_model=self.model.base_model,
             )  # fmt: skip
             return orjson.dumps(
                 {"path": tinker_path(self.model_id, "training", name), "type": "save_weights"}
@@ -240,7 +238,7 @@ class Holder:
 
     async def _save_sampler(self, payload: dict[str, Any]) -> bytes:
         name = payload["name"]
-        base = self.model["base_model"]
+        base = self.model.base_model
         key = checkpoint_key(self.org_id, self.model_id, "sampler_weights", name)
         path = await self._save("save_sampler", key)
         served = served_model_id(base, self.org_id, self.model_id, name)

@@ -28,6 +28,7 @@ from gateway.tenancy.keys import Principal
 from gateway.tinker import protocol as p
 from gateway.tinker import store, wire
 from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, parse_tinker_path, tinker_path, valid_name
+from gateway.tinker.rows import CheckpointRow, ModelCheckpointRow, TrainingModelRow
 from trainer.spec import tinker_loss_error
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def _base(res: Resources, name: str) -> None:
         raise InvalidRequest(f"Unknown base model '{name}'; this server trains: {known}.", param="base_model")
 
 
-async def _model(res: Resources, who: Principal, model_id: str) -> Any:
+async def _model(res: Resources, who: Principal, model_id: str) -> TrainingModelRow:
     row = await store.get_model(res.pool, model_id=model_id, org_id=who.organization_id)
     if row is None:
         raise not_found("model", model_id, param="model_id")
@@ -124,13 +125,13 @@ async def create_model(res: Resources, who: Principal, body: p.CreateModelReques
 
 async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, Any]:
     row = await _model(res, who, model_id)
-    base = row["base_model"]
+    base = row.base_model
     return {
         "type": "get_info",
         "model_id": model_id,
         "model_data": p.model_data(base, str(res.settings.base_models[base].path)),
         "is_lora": True,
-        "lora_rank": row["lora_rank"],
+        "lora_rank": row.lora_rank,
         "model_name": base,
     }
 
@@ -138,8 +139,8 @@ async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, A
 async def submit(res: Resources, who: Principal, model_id: str, kind: str, payload: dict[str, Any]) -> dict:
     """Queue one request of a training model (in arrival order) and make sure a worker holds the model."""
     row = await _model(res, who, model_id)
-    if row["lost"]:
-        raise InvalidRequest(row["lost"] + " Load your last saved state into a new training client.")
+    if row.lost:
+        raise InvalidRequest(row.lost + " Load your last saved state into a new training client.")
     request_id = new_id("tr-")
     await store.add_request(
         res.pool,
@@ -150,7 +151,7 @@ async def submit(res: Resources, who: Principal, model_id: str, kind: str, paylo
         payload=payload,
     )
     held = await store.holder(res.pool, model_id=model_id, stale_s=res.settings.stale_after_s)
-    if held is None or held["worker_id"] is None or not held["alive"]:
+    if held is None or held.worker_id is None or not held.alive:
         await enqueue(res.queue, res.settings.queue_name, model_id, time.time_ns(), function=RUN_TINKER_MODEL)
     return {"request_id": request_id, "model_id": model_id}
 
@@ -192,12 +193,14 @@ async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRe
     payload: dict[str, Any] = {"name": _name(body.path, "sampler")}
     if body.path is None and body.sampling_session_seq_id is not None:
         row = await _model(res, who, body.model_id)
-        payload["session_id"] = row["session_id"]
-        payload["sampler_id"] = f"{row['session_id']}:sample:{body.sampling_session_seq_id}"
+        payload["session_id"] = row.session_id
+        payload["sampler_id"] = f"{row.session_id}:sample:{body.sampling_session_seq_id}"
     return await submit(res, who, body.model_id, "save_weights_for_sampler", payload)
 
 
-async def _checkpoint(res: Resources, who: Principal, path: str, kind: str | None = None) -> Any:
+async def _checkpoint(
+    res: Resources, who: Principal, path: str, kind: str | None = None
+) -> ModelCheckpointRow:
     parsed = parse_tinker_path(path)
     if parsed is None or (kind is not None and parsed[1] != kind):
         raise InvalidRequest(f"Invalid tinker path {path!r}.", param="path")
@@ -211,7 +214,7 @@ async def _checkpoint(res: Resources, who: Principal, path: str, kind: str | Non
 
 async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsRequest) -> dict[str, Any]:
     ckpt = await _checkpoint(res, who, body.path, "training")
-    if body.optimizer and not ckpt["with_optimizer"]:
+    if body.optimizer and not ckpt.with_optimizer:
         raise InvalidRequest("This checkpoint holds no optimizer state.", param="optimizer")
     model_id = body.model_id
     if model_id is None:  # a new model made by loading the checkpoint (create_training_client_from_state)
@@ -220,18 +223,24 @@ async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsReques
         model_id = model_id_of(body.session_id, body.model_seq_id)
         await store.create_model(
             res.pool, model_id=model_id, org_id=who.organization_id, key_id=who.api_key_id,
-            session_id=body.session_id, base_model=ckpt["base_model"], rank=ckpt["lora_rank"],
-            lora_config=ckpt["lora_config"], metadata=body.user_metadata,
+            session_id=body.session_id, base_model=ckpt.base_model, rank=ckpt.lora_rank,
+            lora_config=ckpt.lora_config, metadata=body.user_metadata,
         )  # fmt: skip
-    payload = {"dir": ckpt["path"], "optimizer": body.optimizer, "path": body.path}
+    payload = {"dir": ckpt.path, "optimizer": body.optimizer, "path": body.path}
     return await submit(res, who, model_id, "load_weights", payload)
 
 
 # ---------------------------------------------------------------------------------------------- sampling
+async def _sampler_checkpoint(res: Resources, who: Principal, path: str) -> tuple[str, str]:
+    """`(base model, served model)` of a sampler checkpoint: the OpenAI model the engines answer for."""
+    ckpt = await _checkpoint(res, who, path, "sampler")
+    assert ckpt.served_model is not None  # every sampler checkpoint is registered as a served model
+    return ckpt.base_model, ckpt.served_model
+
+
 async def create_sampler(res: Resources, who: Principal, body: p.CreateSamplingSessionRequest) -> dict:
     if body.model_path:
-        ckpt = await _checkpoint(res, who, body.model_path, "sampler")
-        base, served = ckpt["base_model"], ckpt["served_model"]
+        base, served = await _sampler_checkpoint(res, who, body.model_path)
     elif body.base_model:
         _base(res, body.base_model)
         base = served = body.base_model
@@ -249,7 +258,7 @@ async def get_sampler(res: Resources, who: Principal, sampler_id: str) -> dict[s
     row = await store.get_sampler(res.pool, sampler_id=sampler_id, org_id=who.organization_id)
     if row is None:
         raise not_found("sampler", sampler_id)
-    return {"sampler_id": sampler_id, "base_model": row["base_model"], "model_path": row["model_path"]}
+    return {"sampler_id": sampler_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
 async def sample(res: Resources, who: Principal, key: str, body: p.SampleRequest) -> dict[str, Any]:
@@ -259,9 +268,9 @@ async def sample(res: Resources, who: Principal, key: str, body: p.SampleRequest
         )
         if row is None:
             raise not_found("sampler", body.sampling_session_id, param="sampling_session_id")
-        served = row["served_model"]
+        served = row.served_model
     elif body.model_path:
-        served = (await _checkpoint(res, who, body.model_path, "sampler"))["served_model"]
+        _, served = await _sampler_checkpoint(res, who, body.model_path)
     elif body.base_model:
         _base(res, body.base_model)
         served = body.base_model
@@ -341,16 +350,17 @@ async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[byt
         row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
         if row is None:
             raise not_found("future", request_id, param="request_id")
-        if row["status"] == "done":
-            media = "application/x-protobuf" if row["result_type"] == "proto" else "application/json"
-            return bytes(row["result"]), media
-        if row["status"] == "failed":
+        if row.status == "done":
+            assert row.result is not None  # a request is done with its answer
+            media = "application/x-protobuf" if row.result_type == "proto" else "application/json"
+            return bytes(row.result), media
+        if row.status == "failed":
             return orjson.dumps(
-                {"error": row["error"], "category": row["category"] or "unknown"}
+                {"error": row.error, "category": row.category or "unknown"}
             ), "application/json"
-        if row["model_id"] is not None and await _holder_lost(res, row["model_id"]):
+        if row.model_id is not None and await _holder_lost(res, row.model_id):
             continue  # its requests were failed just now
-        if row["kind"] == "sample" and row["age_s"] > SAMPLE_TIMEOUT_S + 30:  # its gateway went away
+        if row.kind == "sample" and row.age_s > SAMPLE_TIMEOUT_S + 30:  # its gateway went away
             await store.finish(
                 res.pool, request_id=request_id, error="Sampling was interrupted.", category="server"
             )
@@ -365,7 +375,7 @@ async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[byt
 async def _holder_lost(res: Resources, model_id: str) -> bool:
     """True (and the model's open requests failed) when the worker holding the model stopped beating."""
     held = await store.holder(res.pool, model_id=model_id, stale_s=res.settings.stale_after_s)
-    if held is None or held["worker_id"] is None or held["alive"]:
+    if held is None or held.worker_id is None or held.alive:
         return False
     reason = (
         f"The worker holding model {model_id} stopped responding; its unsaved weights are lost. "
@@ -376,13 +386,13 @@ async def _holder_lost(res: Resources, model_id: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- listings
-def _checkpoint_json(row: Any) -> dict[str, Any]:
+def _checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     return {
-        "checkpoint_id": f"{'weights' if row['kind'] == 'training' else 'sampler_weights'}/{row['name']}",
-        "checkpoint_type": row["kind"],
-        "time": row["created_at"].isoformat(),
-        "tinker_path": tinker_path(row["model_id"], row["kind"], row["name"]),
-        "size_bytes": row["size_bytes"],
+        "checkpoint_id": f"{'weights' if row.kind == 'training' else 'sampler_weights'}/{row.name}",
+        "checkpoint_type": row.kind,
+        "time": row.created_at.isoformat(),
+        "tinker_path": tinker_path(row.model_id, row.kind, row.name),
+        "size_bytes": row.size_bytes,
         "public": False,
     }
 
@@ -394,20 +404,20 @@ async def list_checkpoints(res: Resources, who: Principal, model_id: str | None)
     return {"checkpoints": [_checkpoint_json(r) for r in rows], "cursor": None}
 
 
-async def _run_json(res: Resources, who: Principal, row: Any) -> dict[str, Any]:
-    ckpts = await store.list_checkpoints(res.pool, org_id=who.organization_id, model_id=row["id"])
-    last = {kind: next((c for c in ckpts if c["kind"] == kind), None) for kind in ("training", "sampler")}
+async def _run_json(res: Resources, who: Principal, row: TrainingModelRow) -> dict[str, Any]:
+    ckpts = await store.list_checkpoints(res.pool, org_id=who.organization_id, model_id=row.id)
+    last = {kind: next((c for c in ckpts if c.kind == kind), None) for kind in ("training", "sampler")}
     return {
-        "training_run_id": row["id"],
-        "base_model": row["base_model"],
-        "model_owner": row["organization_id"],
+        "training_run_id": row.id,
+        "base_model": row.base_model,
+        "model_owner": row.organization_id,
         "is_lora": True,
-        "corrupted": row["lost"] is not None,
-        "lora_rank": row["lora_rank"],
-        "last_request_time": row["last_request_at"].isoformat(),
+        "corrupted": row.lost is not None,
+        "lora_rank": row.lora_rank,
+        "last_request_time": row.last_request_at.isoformat(),
         "last_checkpoint": _checkpoint_json(last["training"]) if last["training"] else None,
         "last_sampler_checkpoint": _checkpoint_json(last["sampler"]) if last["sampler"] else None,
-        "user_metadata": row["user_metadata"],
+        "user_metadata": row.user_metadata,
     }
 
 
@@ -423,11 +433,11 @@ async def training_runs(res: Resources, who: Principal, limit: int, offset: int)
 
 async def weights_info(res: Resources, who: Principal, path: str) -> dict[str, Any]:
     row = await _checkpoint(res, who, path)
-    config = row["lora_config"]
+    config = row.lora_config
     return {
-        "base_model": row["base_model"],
+        "base_model": row.base_model,
         "is_lora": True,
-        "lora_rank": row["lora_rank"],
+        "lora_rank": row.lora_rank,
         "train_mlp": config.get("train_mlp"),
         "train_attn": config.get("train_attn"),
         "train_unembed": False,

@@ -10,7 +10,16 @@ from typing import Any
 
 import asyncpg
 
-from gateway.db import Conn
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
+from gateway.tinker.rows import (
+    CheckpointRow,
+    FutureRow,
+    HolderRow,
+    ModelCheckpointRow,
+    RequestRow,
+    SamplerRow,
+    TrainingModelRow,
+)
 
 # ---------------------------------------------------------------------------------------------- sessions
 INSERT_SESSION = """
@@ -53,8 +62,8 @@ async def create_model(
     lora_config: dict[str, Any],
     metadata: object,
     resume_path: str | None = None,
-) -> asyncpg.Record:
-    row = await conn.fetchrow(
+) -> TrainingModelRow:
+    record = await conn.fetchrow(
         INSERT_MODEL,
         model_id,
         org_id,
@@ -66,20 +75,18 @@ async def create_model(
         metadata,
         resume_path,
     )
-    assert row is not None
-    return row
+    return row_to(TrainingModelRow, record)
 
 
-async def get_model(conn: Conn, *, model_id: str, org_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_MODEL, model_id, org_id)
+async def get_model(conn: Conn, *, model_id: str, org_id: str) -> TrainingModelRow | None:
+    return maybe_row_to(TrainingModelRow, await conn.fetchrow(GET_MODEL, model_id, org_id))
 
 
 async def list_models(
     conn: Conn, *, org_id: str, limit: int, offset: int
-) -> tuple[list[asyncpg.Record], int]:
-    return await conn.fetch(LIST_MODELS, org_id, limit, offset), int(
-        await conn.fetchval(COUNT_MODELS, org_id)
-    )
+) -> tuple[list[TrainingModelRow], int]:
+    rows = rows_to(TrainingModelRow, await conn.fetch(LIST_MODELS, org_id, limit, offset))
+    return rows, int(await conn.fetchval(COUNT_MODELS, org_id))
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -106,13 +113,13 @@ async def add_request(
         await conn.execute(TOUCH_MODEL, model_id)
 
 
-async def holder(conn: Conn, *, model_id: str, stale_s: float) -> asyncpg.Record | None:
+async def holder(conn: Conn, *, model_id: str, stale_s: float) -> HolderRow | None:
     """`worker_id`, `alive` (its beat is fresh) and `lost` of a model (its organisation checked already)."""
-    return await conn.fetchrow(HOLDER, model_id, stale_s)
+    return maybe_row_to(HolderRow, await conn.fetchrow(HOLDER, model_id, stale_s))
 
 
-async def get_request(conn: Conn, *, request_id: str, org_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_REQUEST, request_id, org_id)
+async def get_request(conn: Conn, *, request_id: str, org_id: str) -> FutureRow | None:
+    return maybe_row_to(FutureRow, await conn.fetchrow(GET_REQUEST, request_id, org_id))
 
 
 async def finish(
@@ -150,19 +157,19 @@ UPDATE tinker_requests SET status = 'failed', error = $2, category = 'server', f
 WHERE model_id = $1 AND status IN ('pending', 'running')"""
 
 
-async def claim(conn: Conn, *, model_id: str, worker_id: str) -> asyncpg.Record | None:
+async def claim(conn: Conn, *, model_id: str, worker_id: str) -> TrainingModelRow | None:
     """Hold `model_id` unless a worker does: a holder that died took the weights with it (the model is lost,
     see `lose`), so a model is claimed only when free (new, or let go with its state saved)."""
-    return await conn.fetchrow(CLAIM, model_id, worker_id)
+    return maybe_row_to(TrainingModelRow, await conn.fetchrow(CLAIM, model_id, worker_id))
 
 
 async def beat(conn: Conn, *, model_id: str, worker_id: str) -> bool:
     return await conn.fetchval(BEAT, model_id, worker_id) is not None
 
 
-async def next_request(conn: Conn, *, model_id: str) -> asyncpg.Record | None:
+async def next_request(conn: Conn, *, model_id: str) -> RequestRow | None:
     """The model's oldest open request (a running one first: a holder that took over answers it again)."""
-    return await conn.fetchrow(NEXT, model_id)
+    return maybe_row_to(RequestRow, await conn.fetchrow(NEXT, model_id))
 
 
 async def release(conn: Conn, *, model_id: str, worker_id: str, resume_path: str | None) -> bool:
@@ -210,26 +217,26 @@ async def add_checkpoint(
     with_optimizer: bool,
     size_bytes: int | None,
     base_model: str,
-) -> asyncpg.Record:
+) -> CheckpointRow:
     """Record a checkpoint; a sampler checkpoint also becomes the OpenAI model `served_model`."""
     async with pool.acquire() as c, c.transaction():
         if served_model is not None:
             await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path)
-        row = await c.fetchrow(
+        record = await c.fetchrow(
             INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes
         )
-    assert row is not None
-    return row
+    return row_to(CheckpointRow, record)
 
 
 async def get_checkpoint(
     conn: Conn, *, org_id: str, model_id: str, kind: str, name: str
-) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_CHECKPOINT, model_id, kind, name, org_id)
+) -> ModelCheckpointRow | None:
+    """A checkpoint of the organisation, with its model's base model and LoRA settings."""
+    return maybe_row_to(ModelCheckpointRow, await conn.fetchrow(GET_CHECKPOINT, model_id, kind, name, org_id))
 
 
-async def list_checkpoints(conn: Conn, *, org_id: str, model_id: str | None) -> list[asyncpg.Record]:
-    return await conn.fetch(LIST_CHECKPOINTS, org_id, model_id)
+async def list_checkpoints(conn: Conn, *, org_id: str, model_id: str | None) -> list[CheckpointRow]:
+    return rows_to(CheckpointRow, await conn.fetch(LIST_CHECKPOINTS, org_id, model_id))
 
 
 # ---------------------------------------------------------------------------------------------- samplers
@@ -252,8 +259,8 @@ async def create_sampler(
     await conn.execute(INSERT_SAMPLER, sampler_id, org_id, session_id, base_model, model_path, served_model)
 
 
-async def get_sampler(conn: Conn, *, sampler_id: str, org_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow(GET_SAMPLER, sampler_id, org_id)
+async def get_sampler(conn: Conn, *, sampler_id: str, org_id: str) -> SamplerRow | None:
+    return maybe_row_to(SamplerRow, await conn.fetchrow(GET_SAMPLER, sampler_id, org_id))
 
 
 # ---------------------------------------------------------------------------------------------- metering
