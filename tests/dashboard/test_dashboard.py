@@ -20,9 +20,9 @@ from playwright.sync_api import expect
 
 from envsdk.archive import pack
 from tests.dashboard.conftest import RESOURCE_404, ROOT, Tab
-from tests.support.data import RFT, SAYS_YES
+from tests.support.data import SAYS_YES
 from tests.support.fixtures import gateway_fixture, worker_fixture
-from tests.support.jobs import metrics, upload_rows, wait_for
+from tests.support.jobs import metrics, rl_job, upload_rows, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,25 +41,7 @@ def org(gw_admin: Admin) -> Tenant:
 @pytest.fixture(scope="module")
 def job(org: Tenant) -> Any:
     """A reinforcement job of a dozen steps, checkpointed every four: slow enough to watch and pause."""
-    return org.client.fine_tuning.jobs.create(
-        model="tiny-chat",
-        training_file=upload_rows(org, RFT),
-        suffix="dash",
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": SAYS_YES,
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 2,
-                    "num_generations": 4,
-                    "max_completion_length": 16,
-                    "max_steps": 12,
-                    "checkpoint_every": 4,
-                },
-            },
-        },
-    )
+    return rl_job(org, steps=12, checkpoint_every=4, suffix="dash")
 
 
 def plotted(page: Any, title: str) -> dict[str, Any]:

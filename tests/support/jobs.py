@@ -93,12 +93,15 @@ def long_sft_job(
     )
 
 
-def rl_job(t: Tenant, *, steps: int, checkpoint_every: int = 3, **hyperparameters: Any) -> Any:
+def rl_job(
+    t: Tenant, *, steps: int, checkpoint_every: int = 3, suffix: str | None = None, **hyperparameters: Any
+) -> Any:
     """A reinforcement job of `steps` steps of 2 prompts x 4 answers on `RFT`, graded by `SAYS_YES`;
     `hyperparameters` over those."""
     return t.client.fine_tuning.jobs.create(
         model="tiny-chat",
         training_file=upload_rows(t, RFT),
+        **({"suffix": suffix} if suffix is not None else {}),
         method={
             "type": "reinforcement",
             "reinforcement": {
