@@ -21,7 +21,7 @@ from tests.support.stack import Admin, GatewayServer, Tenant
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 INFERENCE = ("/v1/chat/completions", "/v1/completions")
-OPEN = ("/healthz", "/readyz", "/metrics")
+OPEN = ("/healthz", "/readyz", "/metrics", "/api/v1/healthz")
 
 
 def _mint(database: str, org_id: str, ttl_s: float, kind: str = "eval") -> scoped.MintedKey:
