@@ -38,10 +38,14 @@ def org(gw_admin: Admin) -> Tenant:
     return gw_admin.tenant("dash-org")
 
 
+STEPS = 30
+
+
 @pytest.fixture(scope="module")
 def job(org: Tenant) -> Any:
-    """A reinforcement job of a dozen steps, checkpointed every four: slow enough to watch and pause."""
-    return rl_job(org, steps=12, checkpoint_every=4, suffix="dash")
+    """A reinforcement job of thirty steps, checkpointed every four: long enough to watch, and still running
+    when the pause test clicks on a busy machine or an idle one."""
+    return rl_job(org, steps=STEPS, checkpoint_every=4, suffix="dash")
 
 
 def plotted(page: Any, title: str) -> dict[str, Any]:
@@ -148,7 +152,7 @@ def test_pause_and_resume_from_the_page(org: Tenant, job: Any, open_tab: OpenTab
     done = wait_for(org, job.id, timeout=600)
     assert done.status == "succeeded", done.error
     page.locator("#job-status", has_text="succeeded").wait_for()
-    assert [m["step"] for m in metrics(org, job.id)] == list(range(1, 13))
+    assert [m["step"] for m in metrics(org, job.id)] == list(range(1, STEPS + 1))
     assert tab.console_errors() == []
 
 

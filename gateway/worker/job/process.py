@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 from pydantic import ValidationError
@@ -94,9 +95,9 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     return env
 
 
-def env_pool_env(settings: Settings, job: JobRow) -> dict[str, str]:
-    """For an environment job: where the trainer finds the env servers (`trainer.envpool`)."""
-    method = job.method or {}
+def env_pool_env(settings: Settings, method: dict[str, Any]) -> dict[str, str]:
+    """An environment job's `method`: where its trainer finds the env servers (`trainer.envpool`)."""
+    method = method or {}
     if not settings.redis_url or not (method.get(str(method.get("type")), {}) or {}).get("environment"):
         return {}
     return {ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool}
@@ -152,7 +153,7 @@ class TrainerProcess:
         self.key_id: str | None = None
         """The key minted for this run's model graders, while the trainer runs."""
         self.key_renewed = 0.0
-        self.env_pool = env_pool_env(ctx.settings, ctx.row)
+        self.env_pool = env_pool_env(ctx.settings, ctx.row.method)
         """The env servers' Redis and pool, for an environment job's trainer."""
 
     async def run(
