@@ -31,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "stalls": ("bench.stalls", "Stalls: one tenant's chat p99 while another sends the worst inputs"),
     "distributed": ("bench.distributed", "Distributed: two training processes (DDP) against one"),
     "dashboard": ("bench.dashboard", "Dashboard: a job with 10,000 steps of metrics opens"),
+    "tinker": ("bench.tinker_api", "Tinker API: a training step and sampling, through the API vs in process"),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",

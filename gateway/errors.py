@@ -98,7 +98,23 @@ class RateLimited(APIError):
 
 
 class InsufficientQuota(APIError):
+    """429 like a rate limit, but no retry will help before the budget is raised or the month turns: the
+    `x-should-retry: false` header tells the `openai` and `tinker` SDKs (which retry other 429s) to raise."""
+
     status = 429
+    type = "insufficient_quota"
+    default_code = "insufficient_quota"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers = {"x-should-retry": "false", **self.headers}
+
+
+class BudgetSpent(APIError):
+    """402: the organisation's monthly budget is spent, for clients whose protocol says so with 402 (the
+    Tinker SDK's billing status); OpenAI's own routes answer `InsufficientQuota`'s 429."""
+
+    status = 402
     type = "insufficient_quota"
     default_code = "insufficient_quota"
 

@@ -25,7 +25,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-SEPARATE = ("training", "stalls", "distributed", "dashboard")
+SEPARATE = ("training", "stalls", "distributed", "dashboard", "tinker")
 """Benches with a test of their own below (each too long for the combined quick report's time)."""
 
 
@@ -180,6 +180,19 @@ def test_distributed_bench_trains_the_same_steps_on_two_processes(tmp_path: Path
     assert d["same_steps"] and len(one["losses"]) == len(two["losses"]) == d["steps"]
     assert _number(d["max_loss_gap"]) and d["max_loss_gap"] < 0.05  # one curve, within float noise
     assert _number(d["time_ratio"]) and "two processes" in (tmp_path / "B.md").read_text()
+
+
+def test_tinker_bench_compares_the_api_with_the_computation_it_serves(tmp_path: Path) -> None:
+    t = run_quick("tinker", tmp_path)
+    assert "error" not in t, t.get("traceback")
+    assert [row["batch"] for row in t["training"]] == [2, 8]
+    for row in t["training"]:
+        assert _number(row["in_process_ms"]) and _number(row["api_ms"]) and _number(row["overhead_ratio"])
+    for model in ("base", "adapter"):
+        rates = t["sampling"][model]["tokens_per_s"]
+        assert all(_number(rates[path]) and rates[path] > 0 for path in ("engine", "gateway", "tinker"))
+        assert _number(t["sampling"][model]["tinker_vs_engine"])
+    assert "Tinker API tok/s" in (tmp_path / "B.md").read_text()
 
 
 def test_dashboard_bench_opens_a_long_job(tmp_path: Path) -> None:

@@ -51,8 +51,10 @@ async def healthz() -> dict[str, str]:
 
 
 @router.post("/client/config")
-async def client_config(_: CallerDep, body: p.ClientConfigRequest | None = None) -> dict[str, Any]:
-    return service.client_config()
+async def client_config(
+    res: ResourcesDep, _: CallerDep, body: p.ClientConfigRequest | None = None
+) -> dict[str, Any]:
+    return service.client_config(res)
 
 
 @router.post("/client/dynamic_config")

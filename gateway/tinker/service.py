@@ -21,7 +21,7 @@ import httpx
 import orjson
 
 from gateway.deps import Resources
-from gateway.errors import InvalidRequest, not_found
+from gateway.errors import BudgetSpent, InsufficientQuota, InvalidRequest, not_found
 from gateway.ids import new_id
 from gateway.queue import enqueue
 from gateway.tenancy.keys import Principal
@@ -39,10 +39,11 @@ SAMPLE_TIMEOUT_S = 300.0
 
 
 # ---------------------------------------------------------------------------------------------- config
-def client_config() -> dict[str, Any]:
+def client_config(res: Resources) -> dict[str, Any]:
     """Feature flags for the SDK: API keys (no token exchange), plain httpx, one forward_backward request
-    per call (its chunks in order), no zstd."""
+    per call (its chunks in order), no zstd; how long it waits on a spent budget (402) before raising."""
     return {
+        "billing_exception_max_pause_duration_sec": res.settings.tinker_budget_pause_s,
         "pjwt_auth_enabled": False,
         "credential_default_source": "api_key",
         "use_pyqwest_transport": False,
@@ -136,11 +137,25 @@ async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, A
     }
 
 
-async def submit(res: Resources, who: Principal, model_id: str, kind: str, payload: dict[str, Any]) -> dict:
-    """Queue one request of a training model (in arrival order) and make sure a worker holds the model."""
+async def submit(
+    res: Resources, who: Principal, model_id: str, kind: str, payload: dict[str, Any], *, tokens: int = 0
+) -> dict:
+    """Queue one request of a training model (in arrival order) and make sure a worker holds the model.
+
+    A request that computes on `tokens` tokens is first held to the key's and the organisation's token rate
+    limits and to the monthly budget, priced as the prompt tokens of a completion of the base model (as the
+    worker meters it), nothing queued when over: 429 `rate_limit_exceeded` (the SDK backs off and retries),
+    or, for a spent budget, 402 `insufficient_quota`: the SDK's billing status, on which it holds the loop
+    for `tinker_budget_pause_s`, retrying, before it raises `BillingError`."""
     row = await _model(res, who, model_id)
     if row.lost:
         raise InvalidRequest(row.lost + " Load your last saved state into a new training client.")
+    if tokens:
+        try:
+            admission = await res.guard.admit(who.organization_id, who.api_key_id, row.base_model, tokens, 0)
+        except InsufficientQuota as exc:
+            raise BudgetSpent(exc.message) from None
+        res.guard.settle(admission, tokens, 0)  # the count is exact: the tokens are in the request
     request_id = new_id("tr-")
     await store.add_request(
         res.pool,
@@ -168,7 +183,8 @@ async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[
         raise InvalidRequest("forward_backward needs at least one datum.", param="data")
     kind = "forward" if req["forward_only"] else "forward_backward"
     payload = {k: req[k] for k in ("loss_fn", "loss_fn_config", "forward_only", "data")}
-    return await submit(res, who, req["model_id"], kind, payload)
+    tokens = sum(len(d["tokens"]) for d in req["data"])
+    return await submit(res, who, req["model_id"], kind, payload, tokens=tokens)
 
 
 async def optim_step(res: Resources, who: Principal, body: p.OptimStepRequest) -> dict[str, Any]:

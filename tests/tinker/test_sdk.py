@@ -23,7 +23,8 @@ from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 STALE_S = 4.0
-gw = gateway_fixture("tinker", own_database=True, stale_after_s=STALE_S)
+BUDGET_PAUSE_S = 4
+gw = gateway_fixture("tinker", own_database=True, stale_after_s=STALE_S, tinker_budget_pause_s=BUDGET_PAUSE_S)
 worker = worker_fixture(
     autouse=True,
     TUNEGATE_STALE_AFTER_S=str(STALE_S),
@@ -227,3 +228,29 @@ def test_training_and_sampling_tokens_are_metered(
         time.sleep(1)
     assert trained is not None and trained["input_tokens"] == sum(len(t) - 1 for t in DATA), by_model
     assert served and served[0]["input_tokens"] == 4 and served[0]["output_tokens"] == out_tokens, by_model
+
+
+@pytest.mark.timeout(300)
+def test_training_tokens_are_held_to_the_budget(gw: GatewayServer, gw_admin: Admin) -> None:
+    """A spent budget is the SDK's billing status (402): it holds the loop, retrying, for the server's
+    `tinker_budget_pause_s`, then raises `BillingError`; a budget raised meanwhile lets the loop go on."""
+    org = gw_admin.tenant("tinker-budget")
+    billing = f"/v1/admin/organizations/{org.org_id}/billing"
+    data = [datum(t) for t in DATA]
+
+    def training_client() -> tinker.TrainingClient:
+        client = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
+        return client.create_lora_training_client(base_model="tiny-chat", rank=4)
+
+    tc = training_client()
+    assert gw_admin.http.post(billing, json={"monthly_budget_usd": 0.0}).status_code == 200
+    with pytest.raises(tinker.BillingError, match="budget") as caught:
+        tc.forward_backward(data, "cross_entropy").result()
+    assert caught.value.status_code == 402
+    assert caught.value.body["error"]["code"] == "insufficient_quota"  # type: ignore[index]
+
+    held = training_client().forward_backward(data, "cross_entropy")  # a new client: a new incident
+    time.sleep(1.0)  # the loop is held on the spent budget ...
+    assert gw_admin.http.post(billing, json={"monthly_budget_usd": 100.0}).status_code == 200
+    out = held.result()  # ... and goes on once it is raised
+    assert out.metrics["loss:sum"] > 0
