@@ -181,6 +181,9 @@ class Settings(BaseSettings):
     tinker_idle_timeout_s: float = Field(default=300.0, gt=0)
     """A Tinker training model with no request for this long is saved and let go by its worker, freeing
     the training slot; its next request loads it again (`gateway.tinker.holder`)."""
+    tinker_request_retention_s: float = Field(default=86_400.0, gt=0)
+    """How long an answered Tinker request (a future and its result) is kept for `retrieve_future`; a worker's
+    cron deletes older ones (their data is dropped as soon as they are answered)."""
     tinker_budget_pause_s: int = Field(default=600, ge=0)
     """How long the Tinker SDK holds a training loop whose organisation's monthly budget is spent (retrying,
     so that raising the budget lets it go on) before it raises `BillingError`."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import openai
 import pytest
 
+from gateway.db import create_pool, migrate
 from tests.support.engine import EngineServer
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of
@@ -41,6 +43,15 @@ def own_database(services: Services) -> Iterator[str]:
     """An empty database for one test whose workers must not see (or claim) the shared database's jobs."""
     with scratch_database(services.pg_dsn, "tunegate_test") as dsn:
         yield dsn
+
+
+@pytest.fixture
+async def migrated_pool(own_database: str) -> AsyncIterator[asyncpg.Pool]:
+    """A pool on an empty database of the test's own, migrated: for store functions without a stack."""
+    await migrate(own_database)
+    pool = await create_pool(own_database, min_size=1, max_size=2)
+    yield pool
+    await pool.close()
 
 
 stack = gateway_fixture("stack", scope="session", engine=False)

@@ -1,12 +1,13 @@
 """The worker side of the Tinker API: one training model held by one worker, in one training process.
 
-`run_tinker_model` (an arq job) takes a training slot (the slots jobs train in), claims the
-model in one guarded statement, starts `python -m trainer.tinker_session` (it dies with the worker) and
-answers the model's requests one at a time in `seq` order, writing each result to its row. While it holds
-the model it beats; a model whose holder stops beating for `stale_after_s` is lost (`gateway.tinker.service`
-fails its requests, so the SDK raises instead of waiting). A model idle for `tinker_idle_timeout_s` is saved
-(adapter and optimizer) and let go; its next request starts a process that loads that state first. A
-training process that dies fails the model's open requests with its last log line and marks the model
+The worker's `take_work` (`gateway.worker.main`) claims a model waiting for a holder as it claims jobs (the
+same devices, the same fairness across organisations) and runs a `Holder`, which starts
+`python -m trainer.tinker_session` (it dies with the worker) and answers the model's requests one at a time
+in `seq` order, writing each result to its row. While it holds the model it beats; a model whose holder
+stops beating for `stale_after_s` is lost (`gateway.tinker.service` fails its requests, so the SDK raises
+instead of waiting). A model idle for `tinker_idle_timeout_s` is saved (adapter and optimizer) and let go;
+its next request starts a process that loads that state first. A training process that dies fails the
+model's open requests with its last log line and marks the model
 lost: the client goes on from its last saved state (`create_training_client_from_state`).
 """
 
@@ -32,7 +33,7 @@ from gateway.settings import Settings
 from gateway.tinker import store, wire
 from gateway.tinker.paths import checkpoint_key, served_model_id, tinker_path
 from gateway.tinker.rows import RequestRow, TrainingModelRow
-from gateway.worker.devices import Device, DevicePool, confine
+from gateway.worker.devices import Device, confine
 from gateway.worker.job.process import die_with_parent, trainer_env
 
 logger = logging.getLogger(__name__)
@@ -277,17 +278,3 @@ def _raise(reply: dict[str, Any]) -> None:
 
 def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-async def run_tinker_model(ctx: dict[str, Any], model_id: str) -> str:
-    """Hold `model_id` on one of the worker's devices, as a one-device job would, and answer its requests
-    until it is idle (or lost)."""
-    devices: DevicePool = ctx["devices"]
-    taken = await devices.acquire(1)
-    try:
-        model = await store.claim(ctx["pool"], model_id=model_id, worker_id=ctx["worker_id"])
-        if model is None:
-            return "held elsewhere"
-        return await Holder(model, ctx, taken[0]).run()
-    finally:
-        await devices.give_back(taken)

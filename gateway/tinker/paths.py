@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 RUN_TINKER_MODEL = "run_tinker_model"
-"""The worker's job that holds a training model (`gateway.tinker.holder.run_tinker_model`)."""
+"""The worker's wake-up for a training model no worker holds (`gateway.worker.main.run_tinker_model`)."""
 SEGMENT = {"training": "weights", "sampler": "sampler_weights"}
 KIND = {segment: kind for kind, segment in SEGMENT.items()}
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")

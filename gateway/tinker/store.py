@@ -101,8 +101,19 @@ SELECT *, extract(epoch FROM now() - created_at)::float8 AS age_s FROM tinker_re
 WHERE id = $1 AND organization_id = $2"""
 FINISH = """
 UPDATE tinker_requests SET status = $2, result = $3, result_type = $4, error = $5, category = $6,
-       finished_at = now()
+       finished_at = now(), payload = '{}'  -- a request's data is of no use once it is answered
 WHERE id = $1 AND status IN ('pending', 'running')"""
+FORGET_FINISHED = """
+DELETE FROM tinker_requests WHERE id IN (
+    SELECT id FROM tinker_requests
+    WHERE status IN ('done', 'failed') AND finished_at < now() - make_interval(secs => $1)
+    LIMIT $2)"""
+
+
+async def forget_finished(conn: Conn, *, older_than_s: float, most: int = 10_000) -> int:
+    """Delete up to `most` answered requests (futures) finished more than `older_than_s` ago; how many."""
+    status = await conn.execute(FORGET_FINISHED, older_than_s, most)
+    return int(status.rsplit(" ", 1)[-1])
 
 
 async def add_request(
@@ -137,7 +148,7 @@ async def finish(
 
 # ---------------------------------------------------------------------------------------------- holder side
 CLAIM = """
-UPDATE tinker_models SET worker_id = $2, heartbeat_at = now()
+UPDATE tinker_models SET worker_id = $2, heartbeat_at = now(), held_at = now()
 WHERE id = $1 AND lost IS NULL AND worker_id IS NULL
 RETURNING *"""
 BEAT = "UPDATE tinker_models SET heartbeat_at = now() WHERE id = $1 AND worker_id = $2 RETURNING id"

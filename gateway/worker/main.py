@@ -24,10 +24,13 @@ from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
 from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
+from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
-from gateway.tinker.holder import run_tinker_model
+from gateway.tinker import store as tinker_store
+from gateway.tinker.holder import Holder
+from gateway.tinker.rows import TrainingModelRow
 from gateway.worker import presence, store
 from gateway.worker.context import JobContext
 from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
@@ -88,8 +91,21 @@ async def shutdown(ctx: dict[str, Any]) -> None:
 
 
 async def run_job(ctx: dict[str, Any], job_id: str) -> str:
-    """Claim the fairest queued job (usually `job_id`) that fits this worker's free devices, and train it on
-    them to the end of its trainer run."""
+    """A queued job's wake-up: take the fairest work that fits this worker's free devices (usually `job_id`)
+    and run it to its end."""
+    return await take_work(ctx)
+
+
+async def run_tinker_model(ctx: dict[str, Any], model_id: str) -> str:
+    """A Tinker model's wake-up (a request came for a model no worker holds): as `run_job`."""
+    return await take_work(ctx)
+
+
+async def take_work(ctx: dict[str, Any]) -> str:
+    """Claim the fairest work of either kind (`store.fairest`: a queued job or a Tinker model waiting for a
+    holder) that fits the free devices, take its devices and run it: a job to the end of its trainer run, a
+    model until it is idle. Every job and every waiting model has a wake-up of its own, so the one this takes
+    in another's place is taken by that other's wake-up."""
     pool: asyncpg.Pool = ctx["pool"]
     worker_id: str = ctx["worker_id"]
     settings: Settings = ctx["settings"]
@@ -100,17 +116,27 @@ async def run_job(ctx: dict[str, Any], job_id: str) -> str:
             free = len(devices.free)
             if not free:
                 continue
-            job = await store.claim(
-                pool, worker_id=worker_id, free=free, generation=generation_devices(settings, "reinforcement")
-            )
-            if job is None:
+            generation = generation_devices(settings, "reinforcement")
+            work = await store.fairest(pool, free=free, generation=generation)
+            if work is None:
                 return "nothing to claim"
-            taken = devices.take(
-                devices_of_job(job.method) + generation_devices(settings, job.method["type"])
-            )
+            claimed: JobRow | TrainingModelRow | None
+            if work.kind == "tinker":
+                claimed = await tinker_store.claim(pool, model_id=work.id, worker_id=worker_id)
+                count = 1
+            else:
+                claimed = await store.claim(pool, job_id=work.id, worker_id=worker_id)
+                if claimed is not None:
+                    method = claimed.method
+                    count = devices_of_job(method) + generation_devices(settings, method["type"])
+            if claimed is None:
+                continue  # another worker took it between the choice and the claim
+            taken = devices.take(count)
             break
     try:
-        context = JobContext(job, worker_id, pool, ctx["blobs"], settings)
+        if isinstance(claimed, TrainingModelRow):
+            return await Holder(claimed, ctx, taken[0]).run()
+        context = JobContext(claimed, worker_id, pool, ctx["blobs"], settings)
         run = JobRun(context, queue=ctx["redis"], spend=ctx["spend"], devices=taken)
         return await run.train()
     finally:
@@ -173,6 +199,12 @@ async def announce(ctx: dict[str, Any]) -> None:
     )
 
 
+async def forget_tinker_requests(ctx: dict[str, Any]) -> int:
+    """Delete answered Tinker requests older than `tinker_request_retention_s`."""
+    settings: Settings = ctx["settings"]
+    return await tinker_store.forget_finished(ctx["pool"], older_than_s=settings.tinker_request_retention_s)
+
+
 async def bill(ctx: dict[str, Any]) -> dict[str, int]:
     """Aggregate unbilled usage into the outbox and send pending meter events to Stripe."""
     return await run_billing(ctx["pool"], ctx["settings"])
@@ -199,6 +231,7 @@ def build_worker(settings: Settings) -> Worker:
             cron(requeue_missed_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(announce, second=seconds, unique=False, timeout=60),
+            cron(forget_tinker_requests, second={0}, run_at_startup=True, unique=True, timeout=60),
             _billing_cron(settings),
         ],
         redis_pool=make_queue(settings.redis_url),

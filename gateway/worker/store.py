@@ -8,7 +8,7 @@ the job's organisation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from gateway.db import Conn, maybe_row_to, rows_to
 from gateway.ids import new_id
@@ -34,30 +34,45 @@ class StaleJob:
     last_checkpoint: str | None
 
 
-# The fairest queued job: the organisation with the fewest running jobs first, then the one that started a job
-# least recently, then the oldest in the queue.
-CLAIM = """
-WITH candidate AS (
-    SELECT j.id FROM fine_tuning_jobs j
+# The fairest work that fits the free devices, of both kinds a worker runs on its devices: queued jobs and
+# Tinker training models waiting for a holder (open requests, no worker). The organisation with the fewest
+# running jobs and held models first, then the one that started either least recently, then the work that
+# has waited longest.
+FAIREST = """
+WITH work AS (
+    SELECT 'job' AS kind, j.id, j.organization_id, j.queued_at AS since, j.seq
+    FROM fine_tuning_jobs j
     WHERE j.status = 'queued' AND j.worker_id IS NULL
       -- only a job whose devices (and a reinforcement job's generation devices) are free here
       AND coalesce((j.method #>> ARRAY[j.method->>'type', 'hyperparameters', 'gpus'])::int, 1)
-          + CASE WHEN j.method->>'type' = 'reinforcement' THEN $3::int ELSE 0 END <= $2
-    ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
-              WHERE r.organization_id = j.organization_id AND r.status = 'running'),
-             (SELECT max(r.started_at) FROM fine_tuning_jobs r
-              WHERE r.organization_id = j.organization_id) NULLS FIRST,
-             j.queued_at, j.seq
-    LIMIT 1
-    FOR UPDATE SKIP LOCKED
+          + CASE WHEN j.method->>'type' = 'reinforcement' THEN $2::int ELSE 0 END <= $1
+    UNION ALL
+    SELECT 'tinker', m.id, m.organization_id, w.since, m.seq
+    FROM (SELECT model_id, min(created_at) AS since FROM tinker_requests
+          WHERE status IN ('pending', 'running') AND model_id IS NOT NULL GROUP BY model_id) w
+    JOIN tinker_models m ON m.id = w.model_id
+    WHERE m.worker_id IS NULL AND m.lost IS NULL AND $1 >= 1
 )
+SELECT w.kind, w.id FROM work w
+ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
+          WHERE r.organization_id = w.organization_id AND r.status = 'running')
+         + (SELECT count(*) FROM tinker_models t
+            WHERE t.organization_id = w.organization_id AND t.worker_id IS NOT NULL),
+         greatest((SELECT max(r.started_at) FROM fine_tuning_jobs r
+                   WHERE r.organization_id = w.organization_id),
+                  (SELECT max(t.held_at) FROM tinker_models t
+                   WHERE t.organization_id = w.organization_id))
+             NULLS FIRST,
+         w.since, w.seq
+LIMIT 1"""
+CLAIM = """
 UPDATE fine_tuning_jobs j
-SET status = 'running', worker_id = $1, heartbeat_at = now(), attempts = j.attempts + 1,
+SET status = 'running', worker_id = $2, heartbeat_at = now(), attempts = j.attempts + 1,
     started_at = coalesce(j.started_at, now()),
     -- an attempt starts from the last checkpoint: steps reported after it are trained again
     current_step = coalesce((SELECT c.step_number FROM fine_tuning_job_checkpoints c
                              WHERE c.job_id = j.id AND c.path = j.last_checkpoint), j.current_step)
-FROM candidate WHERE j.id = candidate.id
+WHERE j.id = $1 AND j.status = 'queued' AND j.worker_id IS NULL
 RETURNING j.*"""
 HEARTBEAT = """
 UPDATE fine_tuning_jobs SET heartbeat_at = now(), current_step = coalesce($3, current_step)
@@ -115,9 +130,23 @@ INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
 
 
-async def claim(conn: Conn, *, worker_id: str, free: int, generation: int = 0) -> JobRow | None:
-    """The fairest queued job that fits `free` devices (a reinforcement job takes `generation` more)."""
-    return maybe_row_to(JobRow, await conn.fetchrow(CLAIM, worker_id, free, generation))
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What a worker may take next: a queued job or a Tinker model waiting for a holder."""
+
+    kind: Literal["job", "tinker"]
+    id: str
+
+
+async def fairest(conn: Conn, *, free: int, generation: int = 0) -> Work | None:
+    """The fairest work that fits `free` devices (a reinforcement job takes `generation` more, a Tinker
+    model one device), across organisations as `FAIREST` orders it; None when nothing waits."""
+    return maybe_row_to(Work, await conn.fetchrow(FAIREST, free, generation))
+
+
+async def claim(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
+    """Take queued job `job_id` (None when another worker took it first)."""
+    return maybe_row_to(JobRow, await conn.fetchrow(CLAIM, job_id, worker_id))
 
 
 ANNOUNCE = """
