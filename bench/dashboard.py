@@ -23,7 +23,6 @@ import httpx
 
 from bench.common import Options, cores, fmt, ratio
 from bench.stack import make_tenant, rig
-from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
 
 logger = logging.getLogger(__name__)
@@ -52,9 +51,8 @@ async def _job_with_metrics(dsn: str, org_id: str, steps: int) -> str:
             idempotency_key=None,
             request_hash=None,
         )
-        rows = []
-        for step in range(1, steps + 1):
-            data = {
+        points = [
+            {
                 "step": step,
                 "total_steps": steps,
                 "train_loss": 2.0 / (1 + step / 500),
@@ -63,19 +61,9 @@ async def _job_with_metrics(dsn: str, org_id: str, steps: int) -> str:
                 "completion_length_mean": 40 + step % 13,
                 "learning_rate": 1e-4,
             }
-            rows.append(
-                (
-                    new_id("ftevent-"),
-                    job.id,
-                    org_id,
-                    "info",
-                    f"Step {step}/{steps}",
-                    "metrics",
-                    data,
-                    f"metrics:{step}",
-                )
-            )
-        await conn.executemany(jobs_store.INSERT_EVENT, rows)
+            for step in range(1, steps + 1)
+        ]
+        await jobs_store.add_metric_events(conn, job_id=job.id, org_id=org_id, points=points)
         return str(job.id)
     finally:
         await conn.close()

@@ -198,6 +198,18 @@ async def add_event(
     )
 
 
+async def add_metric_events(conn: Conn, *, job_id: str, org_id: str, points: list[dict[str, Any]]) -> None:
+    """Record many steps' metrics at once (each point has its `step`), as the worker records one: a
+    `metrics` event per step, recorded once per step."""
+    rows = []
+    for point in points:
+        step, total = point["step"], point.get("total_steps")
+        message = f"Step {step}/{total}" if total else f"Step {step}"
+        dedup = f"metrics:{step}"
+        rows.append((new_id("ftevent-"), job_id, org_id, "info", message, "metrics", point, dedup))
+    await conn.executemany(INSERT_EVENT, rows)
+
+
 async def list_events(
     conn: Conn, *, org_id: str, job_id: str, after: str | None, limit: int
 ) -> list[EventRow]:

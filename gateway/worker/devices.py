@@ -113,14 +113,6 @@ class DevicePool:
             await self._changed.wait_for(lambda: len(self.free) >= count)
             return len(self.free)
 
-    async def acquire(self, count: int) -> list[Device]:
-        """`count` devices, once that many are free (under `lock`, like every claim)."""
-        while True:
-            await self.wait_for_free(count)
-            async with self.lock:
-                if len(self.free) >= count:
-                    return self.take(count)
-
     def take(self, count: int) -> list[Device]:
         """`count` free devices, lowest first (ValueError when fewer are free: never overcommitted)."""
         if count > len(self.free):

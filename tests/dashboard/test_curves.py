@@ -40,11 +40,8 @@ async def _job(pool: asyncpg.Pool, org_id: str, steps: int) -> str:
         idempotency_key=None,
         request_hash=None,
     )
-    rows = [
-        (new_id("ftevent-"), job.id, org_id, "info", f"Step {s}", "metrics", {"step": s}, f"metrics:{s}")
-        for s in range(1, steps + 1)
-    ]
-    await pool.executemany(jobs_store.INSERT_EVENT, rows)
+    points = [{"step": s} for s in range(1, steps + 1)]
+    await jobs_store.add_metric_events(pool, job_id=job.id, org_id=org_id, points=points)
     return str(job.id)
 
 
