@@ -184,6 +184,10 @@ class Settings(BaseSettings):
     tinker_request_retention_s: float = Field(default=86_400.0, gt=0)
     """How long an answered Tinker request (a future and its result) is kept for `retrieve_future`; a worker's
     cron deletes older ones (their data is dropped as soon as they are answered)."""
+    tinker_ephemeral_ttl_s: float = Field(default=86_400.0, ge=3600)
+    """How long a sampler checkpoint saved for a sampling client at once
+    (`save_weights_and_get_sampling_client`) lives; then a worker's cron deletes it, its served model and its
+    files. Named checkpoints live for the `ttl_seconds` they were saved with, or for good."""
     tinker_budget_pause_s: int = Field(default=600, ge=0)
     """How long the Tinker SDK holds a training loop whose organisation's monthly budget is spent (retrying,
     so that raising the budget lets it go on) before it raises `BillingError`."""

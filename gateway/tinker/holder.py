@@ -31,7 +31,7 @@ from gateway.blobstore import BlobStore
 from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.tinker import store, wire
-from gateway.tinker.paths import checkpoint_key, served_model_id, tinker_path
+from gateway.tinker.paths import SEGMENT, checkpoint_key, served_model_id, tinker_path
 from gateway.tinker.rows import RequestRow, TrainingModelRow
 from gateway.worker.devices import Device, confine
 from gateway.worker.job.process import die_with_parent, trainer_env
@@ -223,12 +223,12 @@ class Holder:
             ), "json"
         if kind == "save_weights":
             name = payload["name"]
-            key = checkpoint_key(self.org_id, self.model_id, "weights", name)
+            key = checkpoint_key(self.org_id, self.model_id, SEGMENT["training"], name)
             path = await self._save("save_state", key, optimizer=True)
             await store.add_checkpoint(
                 self.pool, org_id=self.org_id, model_id=self.model_id, kind="training", name=name, path=path,
                 served_model=None, with_optimizer=True, size_bytes=_size(Path(path)),
-                base_model=self.model.base_model,
+                base_model=self.model.base_model, ttl_s=payload.get("ttl_seconds"),
             )  # fmt: skip
             return orjson.dumps(
                 {"path": tinker_path(self.model_id, "training", name), "type": "save_weights"}
@@ -240,12 +240,13 @@ class Holder:
     async def _save_sampler(self, payload: dict[str, Any]) -> bytes:
         name = payload["name"]
         base = self.model.base_model
-        key = checkpoint_key(self.org_id, self.model_id, "sampler_weights", name)
+        key = checkpoint_key(self.org_id, self.model_id, SEGMENT["sampler"], name)
         path = await self._save("save_sampler", key)
         served = served_model_id(base, self.org_id, self.model_id, name)
         await store.add_checkpoint(
             self.pool, org_id=self.org_id, model_id=self.model_id, kind="sampler", name=name, path=path,
             served_model=served, with_optimizer=False, size_bytes=_size(Path(path)), base_model=base,
+            ttl_s=payload.get("ttl_seconds"),
         )  # fmt: skip
         # the engines load it now, as after a fine-tuning job (a miss loads it on the first request anyway)
         async with AdapterLoader(self.settings) as loader:

@@ -69,6 +69,8 @@ class SaveWeightsRequest(TinkerModel):
     path: str | None = None
     seq_id: int | None = None
     sampling_session_seq_id: int | None = None
+    ttl_seconds: int | None = Field(default=None, ge=3600, le=315_360_000)
+    """The checkpoint expires this long after it is saved (one hour to ten years; None: never)."""
 
 
 class LoadWeightsRequest(TinkerModel):

@@ -76,6 +76,7 @@ class CheckpointRow:
     with_optimizer: bool
     size_bytes: int | None
     created_at: datetime
+    expires_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,14 @@ from gateway.queue import enqueue
 from gateway.tenancy.keys import Principal
 from gateway.tinker import protocol as p
 from gateway.tinker import store, wire
-from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, parse_tinker_path, tinker_path, valid_name
+from gateway.tinker.paths import (
+    RUN_TINKER_MODEL,
+    SEGMENT,
+    model_id_of,
+    parse_tinker_path,
+    tinker_path,
+    valid_name,
+)
 from gateway.tinker.rows import CheckpointRow, ModelCheckpointRow, TrainingModelRow
 from trainer.spec import tinker_loss_error
 
@@ -202,15 +209,20 @@ def _name(given: str | None, prefix: str) -> str:
 
 
 async def save_weights(res: Resources, who: Principal, body: p.SaveWeightsRequest) -> dict[str, Any]:
-    return await submit(res, who, body.model_id, "save_weights", {"name": _name(body.path, "state")})
+    payload = {"name": _name(body.path, "state"), "ttl_seconds": body.ttl_seconds}
+    return await submit(res, who, body.model_id, "save_weights", payload)
 
 
 async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRequest) -> dict[str, Any]:
-    payload: dict[str, Any] = {"name": _name(body.path, "sampler")}
+    """A sampler checkpoint; one saved for a sampling client at once (no name: the SDK's
+    `save_weights_and_get_sampling_client`, whose checkpoints are ephemeral) expires after
+    `tinker_ephemeral_ttl_s`, as Tinker's do."""
+    payload: dict[str, Any] = {"name": _name(body.path, "sampler"), "ttl_seconds": body.ttl_seconds}
     if body.path is None and body.sampling_session_seq_id is not None:
         row = await _model(res, who, body.model_id)
         payload["session_id"] = row.session_id
         payload["sampler_id"] = f"{row.session_id}:sample:{body.sampling_session_seq_id}"
+        payload["ttl_seconds"] = res.settings.tinker_ephemeral_ttl_s
     return await submit(res, who, body.model_id, "save_weights_for_sampler", payload)
 
 
@@ -404,12 +416,13 @@ async def _holder_lost(res: Resources, model_id: str) -> bool:
 # ---------------------------------------------------------------------------------------------- listings
 def _checkpoint_json(row: CheckpointRow) -> dict[str, Any]:
     return {
-        "checkpoint_id": f"{'weights' if row.kind == 'training' else 'sampler_weights'}/{row.name}",
+        "checkpoint_id": f"{SEGMENT[row.kind]}/{row.name}",
         "checkpoint_type": row.kind,
         "time": row.created_at.isoformat(),
         "tinker_path": tinker_path(row.model_id, row.kind, row.name),
         "size_bytes": row.size_bytes,
         "public": False,
+        "expires_at": row.expires_at.isoformat() if row.expires_at else None,
     }
 
 

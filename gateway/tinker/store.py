@@ -198,19 +198,27 @@ async def lose(pool: asyncpg.Pool, *, model_id: str, reason: str) -> None:
 # ---------------------------------------------------------------------------------------------- checkpoints
 INSERT_CHECKPOINT = """
 INSERT INTO tinker_checkpoints (organization_id, model_id, kind, name, path, served_model, with_optimizer,
-                                size_bytes)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                size_bytes, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))
 ON CONFLICT (model_id, kind, name) DO UPDATE
 SET path = EXCLUDED.path, served_model = EXCLUDED.served_model, with_optimizer = EXCLUDED.with_optimizer,
-    size_bytes = EXCLUDED.size_bytes, created_at = now()
+    size_bytes = EXCLUDED.size_bytes, created_at = now(), expires_at = EXCLUDED.expires_at
 RETURNING *"""
 GET_CHECKPOINT = """
 SELECT c.*, m.base_model, m.lora_rank, m.lora_config FROM tinker_checkpoints c
 JOIN tinker_models m ON m.id = c.model_id
-WHERE c.model_id = $1 AND c.kind = $2 AND c.name = $3 AND c.organization_id = $4"""
+WHERE c.model_id = $1 AND c.kind = $2 AND c.name = $3 AND c.organization_id = $4
+  AND (c.expires_at IS NULL OR c.expires_at > now())"""
 LIST_CHECKPOINTS = """
 SELECT * FROM tinker_checkpoints WHERE organization_id = $1 AND ($2::text IS NULL OR model_id = $2)
+  AND (expires_at IS NULL OR expires_at > now())
 ORDER BY created_at DESC"""
+EXPIRED = """
+SELECT * FROM tinker_checkpoints WHERE expires_at <= now() ORDER BY expires_at LIMIT $1"""
+DELETE_CHECKPOINT = """
+DELETE FROM tinker_checkpoints WHERE model_id = $1 AND kind = $2 AND name = $3 AND expires_at <= now()
+RETURNING served_model"""
+DELETE_SERVED = "DELETE FROM models WHERE id = $1 AND organization_id = $2"
 REGISTER_SERVED = """
 INSERT INTO models (id, organization_id, base_model, adapter_path) VALUES ($1, $2, $3, $4)
 ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path"""
@@ -228,14 +236,17 @@ async def add_checkpoint(
     with_optimizer: bool,
     size_bytes: int | None,
     base_model: str,
+    ttl_s: float | None = None,
 ) -> CheckpointRow:
-    """Record a checkpoint; a sampler checkpoint also becomes the OpenAI model `served_model`."""
+    """Record a checkpoint, expiring `ttl_s` from now (never: None); a sampler checkpoint also becomes the
+    OpenAI model `served_model`."""
     async with pool.acquire() as c, c.transaction():
         if served_model is not None:
             await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path)
         record = await c.fetchrow(
-            INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes
-        )
+            INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes,
+            ttl_s,
+        )  # fmt: skip
     return row_to(CheckpointRow, record)
 
 
@@ -285,3 +296,20 @@ async def meter(conn: Conn, *, org_id: str, key_id: str, model: str, base_model:
     """Tokens a forward or forward_backward pass processed, as prompt tokens of `model`
     (`tinker-forward_backward:<model id>`) in the usage table, priced and billed as completions are."""
     await conn.execute(INSERT_USAGE, org_id, key_id, model, base_model, tokens)
+
+
+async def expired_checkpoints(conn: Conn, *, most: int = 100) -> list[CheckpointRow]:
+    """Up to `most` checkpoints past their expiry, oldest first (of every organisation: the worker's cron)."""
+    return rows_to(CheckpointRow, await conn.fetch(EXPIRED, most))
+
+
+async def delete_expired(pool: asyncpg.Pool, row: CheckpointRow) -> bool:
+    """Delete an expired checkpoint's row and the OpenAI model it was served as, in one transaction; False
+    when another worker deleted it first."""
+    async with pool.acquire() as c, c.transaction():
+        deleted = await c.fetchrow(DELETE_CHECKPOINT, row.model_id, row.kind, row.name)
+        if deleted is None:
+            return False
+        if deleted["served_model"] is not None:
+            await c.execute(DELETE_SERVED, deleted["served_model"], row.organization_id)
+    return True

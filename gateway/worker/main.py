@@ -30,6 +30,7 @@ from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.tinker import store as tinker_store
 from gateway.tinker.holder import Holder
+from gateway.tinker.housekeeping import tinker_housekeeping
 from gateway.tinker.rows import TrainingModelRow
 from gateway.worker import presence, store
 from gateway.worker.context import JobContext
@@ -199,12 +200,6 @@ async def announce(ctx: dict[str, Any]) -> None:
     )
 
 
-async def forget_tinker_requests(ctx: dict[str, Any]) -> int:
-    """Delete answered Tinker requests older than `tinker_request_retention_s`."""
-    settings: Settings = ctx["settings"]
-    return await tinker_store.forget_finished(ctx["pool"], older_than_s=settings.tinker_request_retention_s)
-
-
 async def bill(ctx: dict[str, Any]) -> dict[str, int]:
     """Aggregate unbilled usage into the outbox and send pending meter events to Stripe."""
     return await run_billing(ctx["pool"], ctx["settings"])
@@ -231,7 +226,7 @@ def build_worker(settings: Settings) -> Worker:
             cron(requeue_missed_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(reap_stale_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
             cron(announce, second=seconds, unique=False, timeout=60),
-            cron(forget_tinker_requests, second={0}, run_at_startup=True, unique=True, timeout=60),
+            cron(tinker_housekeeping, second={0}, run_at_startup=True, unique=True, timeout=120),
             _billing_cron(settings),
         ],
         redis_pool=make_queue(settings.redis_url),

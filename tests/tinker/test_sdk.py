@@ -145,7 +145,10 @@ def test_state_round_trips_with_the_optimizer(service: tinker.ServiceClient) -> 
     adam = types.AdamParams(learning_rate=0.02)
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(adam).result()
-    state = tc.save_state("after-one").result().path
+    state = tc.save_state("after-one", ttl_seconds=7200).result().path
+    listed = service.create_rest_client().list_checkpoints(tc.model_id).result().checkpoints
+    expiry = {c.tinker_path: c.expires_at for c in listed}[state]
+    assert expiry is not None and 7100 < expiry.timestamp() - time.time() <= 7200
 
     def next_step_loss(client: tinker.TrainingClient) -> float:
         client.forward_backward(data, "cross_entropy").result()
