@@ -20,6 +20,10 @@ class BaseModelConfig(BaseModel):
 
     path: Path | None = None
     """Local HF-format directory. Empty for `tiny-chat` means `<data_dir>/models/tiny-chat` (made offline)."""
+    tokenizer: str | None = None
+    """What Tinker clients load this model's tokenizer from (`get_info`'s `tokenizer_id`, the SDK's
+    `get_tokenizer()`): a hub id such as `Qwen/Qwen3-8B` for a hub model served to other machines. Empty:
+    the model's local directory, which loads on this machine only."""
     upstreams: list[str] = Field(default_factory=list)
     """Base URLs (without `/v1`) of the inference engines that serve this model."""
     owned_by: str = "tunegate"
@@ -306,6 +310,10 @@ class Settings(BaseSettings):
         if entry.path is not None:
             return entry.path
         return self.data_dir / "models" / model_id
+
+    def tokenizer_of(self, model_id: str) -> str:
+        """Where clients load a base model's tokenizer from: its `tokenizer`, else its directory."""
+        return self.base_models[model_id].tokenizer or str(self.base_model_path(model_id))
 
     def price_of(self, base_model: str) -> ModelPrice:
         """Prices of `base_model` (those of `*`, or the defaults, when it has none of its own)."""

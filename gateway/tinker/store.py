@@ -28,6 +28,14 @@ VALUES ($1, $2, $3, $4, $5, $6)"""
 BEAT_SESSION = """
 UPDATE tinker_sessions SET last_heartbeat_at = now() WHERE id = $1 AND organization_id = $2 RETURNING id"""
 
+FINISH_SESSION = """
+UPDATE tinker_sessions
+SET finished_at = coalesce(finished_at, now()),
+    finish_reason = coalesce(finish_reason, $3),
+    finish_detail = CASE WHEN finish_reason IS NULL THEN $4 ELSE finish_detail END
+WHERE id = $1 AND organization_id = $2
+RETURNING id"""
+
 
 async def create_session(
     conn: Conn, *, session_id: str, org_id: str, key_id: str, tags: list[str], metadata: object, sdk: str
@@ -37,6 +45,13 @@ async def create_session(
 
 async def beat_session(conn: Conn, *, session_id: str, org_id: str) -> bool:
     return await conn.fetchval(BEAT_SESSION, session_id, org_id) is not None
+
+
+async def finish_session(
+    conn: Conn, *, session_id: str, org_id: str, reason: str, detail: str | None
+) -> bool:
+    """Record how the session ended; a session that already has a reason keeps it. False: no such session."""
+    return await conn.fetchval(FINISH_SESSION, session_id, org_id, reason, detail) is not None
 
 
 # ---------------------------------------------------------------------------------------------- models
