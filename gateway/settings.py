@@ -78,7 +78,8 @@ class Settings(BaseSettings):
 
     base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
     """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`;
-    an entry may also set `owned_by` and `context_length` (most tokens a request may ask the model for)."""
+    an entry may also set `owned_by`, `context_length` (most tokens a request may ask the model for) and
+    `tokenizer` (where Tinker clients load its tokenizer from: a hub id; else its folder)."""
 
     max_upload_bytes: int = 512 * 1024 * 1024
     """Largest file accepted by `POST /v1/files` (OpenAI's limit: 512 MB)."""
@@ -268,7 +269,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _registered_base_models(self) -> Settings:
-        """Add the base models registered in the data dir (`tunegate models add`) to those configured."""
+        """Add the base models registered in the data dir (`tunegate models add`: a folder, and the hub id it
+        came from, as its `tokenizer`) to those configured."""
         try:
             registered = json.loads((self.data_dir / BASE_MODELS_FILE).read_text())
         except (OSError, ValueError):
@@ -276,7 +278,8 @@ class Settings(BaseSettings):
         if isinstance(registered, dict):
             for name, entry in registered.items():
                 if name not in self.base_models and isinstance(entry, dict) and entry.get("path"):
-                    self.base_models[name] = BaseModelConfig(path=Path(entry["path"]))
+                    tokenizer = entry.get("tokenizer")
+                    self.base_models[name] = BaseModelConfig(path=Path(entry["path"]), tokenizer=tokenizer)
         return self
 
     @cached_property
