@@ -91,8 +91,8 @@ async def heartbeat(res: Resources, who: Principal, session_id: str) -> dict[str
 async def finish_session(
     res: Resources, who: Principal, session_id: str, body: p.FinishSessionRequest
 ) -> dict[str, Any]:
-    """Record the end the client reports (the first report wins). Its models keep their state and let their
-    slots go after `tinker_idle_timeout_s`, as any idle model does."""
+    """Record the end the client reports (the first report wins). Its models are saved and let their
+    slots go once their open requests are answered, as idle ones are (`gateway.tinker.holder`)."""
     org_id, reason = who.organization_id, body.reason.type
     if not await store.finish_session(
         res.pool, session_id=session_id, org_id=org_id, reason=reason, detail=body.detail

@@ -177,6 +177,9 @@ UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = co
 WHERE id = $1 AND worker_id = $2
   AND NOT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))
 RETURNING id"""
+SESSION_FINISHED = """
+SELECT s.finished_at IS NOT NULL FROM tinker_models m JOIN tinker_sessions s ON s.id = m.session_id
+WHERE m.id = $1"""
 LOSE = "UPDATE tinker_models SET lost = $2, worker_id = NULL WHERE id = $1 AND lost IS NULL RETURNING id"
 FAIL_OPEN = """
 UPDATE tinker_requests SET status = 'failed', error = $2, category = 'server', finished_at = now()
@@ -196,6 +199,11 @@ async def beat(conn: Conn, *, model_id: str, worker_id: str) -> bool:
 async def next_request(conn: Conn, *, model_id: str) -> RequestRow | None:
     """The model's oldest open request (a running one first: a holder that took over answers it again)."""
     return maybe_row_to(RequestRow, await conn.fetchrow(NEXT, model_id))
+
+
+async def session_finished(conn: Conn, *, model_id: str) -> bool:
+    """Whether the client of the model's session reported that it finished (`finish_session`)."""
+    return bool(await conn.fetchval(SESSION_FINISHED, model_id))
 
 
 async def release(conn: Conn, *, model_id: str, worker_id: str, resume_path: str | None) -> bool:

@@ -8,13 +8,16 @@ arithmetic conversations) and `examples/tinker/cookbook_rl.py` (`rl.train.main` 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import asyncpg
 import pytest
 import tinker
 
@@ -114,3 +117,28 @@ def test_the_cookbook_rl_loop_rewards_and_steps(
     lora_b = [name for name in final if "lora_B" in name]
     assert lora_b and any(final[name].abs().max() > 0 for name in lora_b)
     assert any(not final[name].equal(middle[name]) for name in final)
+
+    # the cookbook closed its ServiceClient: the session is finished, so the worker saved the model and let
+    # its training slot go without waiting out the idle timeout (300 s)
+    model_id = checkpoints["final"]["state_path"].removeprefix("tinker://").split("/")[0]
+    assert asyncio.run(_released(gw, model_id, within_s=60)), model_id
+
+
+async def _released(gw: GatewayServer, model_id: str, within_s: float) -> bool:
+    """Whether the model's session is finished and no worker holds the model (saved) within `within_s`."""
+    assert gw.settings.database_url is not None
+    conn = await asyncpg.connect(gw.settings.database_url)
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            row = await conn.fetchrow(
+                "SELECT m.worker_id, m.resume_path, s.finish_reason FROM tinker_models m"
+                " JOIN tinker_sessions s ON s.id = m.session_id WHERE m.id = $1",
+                model_id,
+            )
+            if row["finish_reason"] == "success" and row["worker_id"] is None and row["resume_path"]:
+                return True
+            await asyncio.sleep(0.5)
+        return False
+    finally:
+        await conn.close()
