@@ -2,13 +2,13 @@
 
 The cookbook's `recipes/rl_basic.py`, with the environment swapped so that nothing is downloaded: instead of
 GSM8K (`openai/gsm8k` from the hub), the cookbook's own `ArithmeticEnv` (`recipes/math_rl/arithmetic_env.py`:
-it asks "What is x + y?", rewards 1 for the right final number and takes 0.1 off an answer that does not end
-with the renderer's stop sequence) poses the 70 training problems of `examples/envs/arithmetic`, which
-tiny-chat can learn, rather than the cookbook's additions of numbers up to 100, which it cannot. The
-settings are tiny: 4 steps of 4 problems x 8 samples, LoRA rank 8. The tokenizer is the one the server
-advertises for the model; the renderer is `qwen3_instruct`, which writes ChatML exactly as tiny-chat's
-Qwen2.5 chat template does when the conversation starts with a system message (each prompt starts with the
-template's default one, then the environment's one-shot example).
+it rewards 1 for the right final number and takes 0.1 off an answer that does not end with the renderer's
+stop sequence) poses the 70 training problems of `examples/envs/arithmetic` in that example's words ("What
+is 3 + 4? Reply with the number only."), which tiny-chat can learn, rather than its own sums of numbers up
+to 100, which tiny-chat cannot. The settings are tiny: 4 steps of 4 problems x 8 samples, LoRA rank 8.
+The tokenizer is the one the server advertises for the model; the renderer is `qwen3_instruct`, which
+writes ChatML exactly as tiny-chat's Qwen2.5 chat template does when the conversation starts with a system
+message (each prompt starts with the template's default one, then the environment's one-shot example).
 
     export TINKER_API_KEY=tml-sk-tg-...
     python examples/tinker/cookbook_rl.py base_url=http://localhost:8000 log_path=/tmp/cookbook-rl
