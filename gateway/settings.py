@@ -20,6 +20,10 @@ class BaseModelConfig(BaseModel):
 
     path: Path | None = None
     """Local HF-format directory. Empty for `tiny-chat` means `<data_dir>/models/tiny-chat` (made offline)."""
+    tokenizer: str | None = None
+    """What Tinker clients load this model's tokenizer from (`get_info`'s `tokenizer_id`, the SDK's
+    `get_tokenizer()`): a hub id such as `Qwen/Qwen3-8B` for a hub model served to other machines. Empty:
+    the model's local directory, which loads on this machine only."""
     upstreams: list[str] = Field(default_factory=list)
     """Base URLs (without `/v1`) of the inference engines that serve this model."""
     owned_by: str = "tunegate"
@@ -74,7 +78,8 @@ class Settings(BaseSettings):
 
     base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
     """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`;
-    an entry may also set `owned_by` and `context_length` (most tokens a request may ask the model for)."""
+    an entry may also set `owned_by`, `context_length` (most tokens a request may ask the model for) and
+    `tokenizer` (where Tinker clients load its tokenizer from: a hub id; else its folder)."""
 
     max_upload_bytes: int = 512 * 1024 * 1024
     """Largest file accepted by `POST /v1/files` (OpenAI's limit: 512 MB)."""
@@ -264,7 +269,8 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _registered_base_models(self) -> Settings:
-        """Add the base models registered in the data dir (`tunegate models add`) to those configured."""
+        """Add the base models registered in the data dir (`tunegate models add`: a folder, and the hub id it
+        came from, as its `tokenizer`) to those configured."""
         try:
             registered = json.loads((self.data_dir / BASE_MODELS_FILE).read_text())
         except (OSError, ValueError):
@@ -272,7 +278,8 @@ class Settings(BaseSettings):
         if isinstance(registered, dict):
             for name, entry in registered.items():
                 if name not in self.base_models and isinstance(entry, dict) and entry.get("path"):
-                    self.base_models[name] = BaseModelConfig(path=Path(entry["path"]))
+                    tokenizer = entry.get("tokenizer")
+                    self.base_models[name] = BaseModelConfig(path=Path(entry["path"]), tokenizer=tokenizer)
         return self
 
     @cached_property
@@ -306,6 +313,10 @@ class Settings(BaseSettings):
         if entry.path is not None:
             return entry.path
         return self.data_dir / "models" / model_id
+
+    def tokenizer_of(self, model_id: str) -> str:
+        """Where clients load a base model's tokenizer from: its `tokenizer`, else its directory."""
+        return self.base_models[model_id].tokenizer or str(self.base_model_path(model_id))
 
     def price_of(self, base_model: str) -> ModelPrice:
         """Prices of `base_model` (those of `*`, or the defaults, when it has none of its own)."""

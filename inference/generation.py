@@ -218,7 +218,7 @@ class BatchGeneration:
         if lp is not None:
             row.pending_logprobs.append(lp)
         finish: str | None = None
-        if token_id in self._stop_ids and not params.ignore_eos:
+        if (token_id in self._stop_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             finish = "stop"
         else:
             row.ids.append(token_id)

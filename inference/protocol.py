@@ -42,6 +42,8 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     """Keep generating past end-of-sequence tokens (as vLLM's extra parameter of the same name)."""
+    stop_token_ids: list[int] | None = Field(default=None, max_length=16)
+    """Tokens that end a choice and stay in its token ids, not in its text (vLLM's extra parameter)."""
 
     @field_validator("stop")
     @classmethod
@@ -85,6 +87,7 @@ class ChatCompletionRequest(_SamplingFields):
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs or 0,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or [],
         )
 
     def forced_tool(self) -> str | None:
@@ -135,6 +138,7 @@ class CompletionRequest(_SamplingFields):
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or [],
         )
 
 

@@ -38,6 +38,8 @@ class SamplingParams:
     """Also report this many most likely alternatives at each position."""
     ignore_eos: bool = False
     """Keep generating past end-of-sequence tokens."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Tokens that end a choice (even with ``ignore_eos``); kept in its token ids, not in its text."""
 
     def row_seed(self, index: int) -> int:
         """The seed of choice ``index``."""

@@ -118,6 +118,12 @@ def test_models_add_registers_a_local_folder(tiny_model_dir: Path, tmp_path: Pat
     settings = Settings(data_dir=data_dir)
     assert settings.base_model_path("my-model") == tiny_model_dir.resolve()
     assert "tiny-chat" in settings.base_models  # added beside the configured ones
+    # Tinker clients load its tokenizer from its folder; from the hub id a model was added from, where given
+    assert settings.tokenizer_of("my-model") == str(tiny_model_dir.resolve())
+    entries = json.loads((data_dir / "base_models.json").read_text())
+    entries["my-model"]["tokenizer"] = "Qwen/Qwen2.5-0.5B-Instruct"
+    (data_dir / "base_models.json").write_text(json.dumps(entries))
+    assert Settings(data_dir=data_dir).tokenizer_of("my-model") == "Qwen/Qwen2.5-0.5B-Instruct"
     broken = tmp_path / "not-a-model"
     broken.mkdir()
     out = _cli("models", "add", "other", str(broken), "--data-dir", str(data_dir))

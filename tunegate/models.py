@@ -98,6 +98,8 @@ def add_model(settings: Settings, name: str, source: str) -> Path:
     check_model_folder(folder)
     entries = registered(settings)
     entries[name] = {"path": str(folder)}
+    if not Path(source).expanduser().exists():  # a hub id: Tinker clients on other machines load it there
+        entries[name]["tokenizer"] = source
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=settings.data_dir, prefix=f".{BASE_MODELS_FILE}.")
     with os.fdopen(fd, "w") as out:

@@ -49,3 +49,34 @@ def heldout_reward(sampler: tinker.SamplingClient, tokenizer: Any, env: Any, tas
         text = tokenizer.decode(future.result().sequences[0].tokens, skip_special_tokens=True)
         total += float(env.reward(task, text))
     return total / len(tasks)
+
+
+def register_server_tokenizer(base_url: str | None, model_name: str) -> str | None:
+    """Make tinker-cookbook's `get_tokenizer(model_name)` load the tokenizer the server advertises for it.
+
+    The cookbook loads a tokenizer by model name, as a Hugging Face hub id; a tunegate base model such as
+    `tiny-chat` is none. tunegate's `get_server_capabilities` gives each model's `tokenizer_id` (the model's
+    directory on a one-machine stack, the hub id it is configured with otherwise), the one the SDK's own
+    `TrainingClient.get_tokenizer()` loads: registered under the model's name, the cookbook loads it too.
+    Returns that id; a server that advertises none (Thinking Machines' own) leaves the cookbook's default.
+    """
+    import functools
+    import os
+
+    import httpx
+    from tinker_cookbook import tokenizer_utils
+
+    url = (base_url or os.environ["TINKER_BASE_URL"]).rstrip("/")
+    answer = httpx.get(
+        f"{url}/api/v1/get_server_capabilities",
+        headers={"X-API-Key": os.environ["TINKER_API_KEY"]},
+        timeout=30,
+    )
+    answer.raise_for_status()
+    for model in answer.json()["supported_models"]:
+        if model.get("model_name") == model_name and model.get("tokenizer_id"):
+            tokenizer_id: str = model["tokenizer_id"]
+            load = functools.partial(tokenizer_utils.get_tokenizer, tokenizer_id)  # cached there
+            tokenizer_utils.register_tokenizer(model_name, load)
+            return tokenizer_id
+    return None

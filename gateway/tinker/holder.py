@@ -5,10 +5,11 @@ same devices, the same fairness across organisations) and runs a `Holder`, which
 `python -m trainer.tinker_session` (it dies with the worker) and answers the model's requests one at a time
 in `seq` order, writing each result to its row. While it holds the model it beats; a model whose holder
 stops beating for `stale_after_s` is lost (`gateway.tinker.service` fails its requests, so the SDK raises
-instead of waiting). A model idle for `tinker_idle_timeout_s` is saved (adapter and optimizer) and let go;
-its next request starts a process that loads that state first. A training process that dies fails the
-model's open requests with its last log line and marks the model
-lost: the client goes on from its last saved state (`create_training_client_from_state`).
+instead of waiting). A model idle for `tinker_idle_timeout_s`, or with no open request once its session's
+client reported it finished, is saved (adapter and optimizer) and let go; its next request starts a
+process that loads that state first. A training process that dies fails the model's open requests with
+its last log line and marks the model lost: the client goes on from its last saved state
+(`create_training_client_from_state`).
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class Holder:
         while True:
             req = await store.next_request(self.pool, model_id=self.model_id)
             if req is None:
-                if time.monotonic() - idle_since < self.settings.tinker_idle_timeout_s:
+                idle = time.monotonic() - idle_since >= self.settings.tinker_idle_timeout_s
+                if not idle and not await store.session_finished(self.pool, model_id=self.model_id):
                     await asyncio.sleep(wait)
                     wait = min(wait * 2, POLL_MAX_S)
                     continue

@@ -6,7 +6,7 @@ it. `forward_backward` is not here: it arrives as a protocol buffer (`gateway.ti
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,17 @@ class CreateSessionRequest(TinkerModel):
 
 class SessionHeartbeatRequest(TinkerModel):
     session_id: str
+
+
+class FinishReason(TinkerModel):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSessionRequest(TinkerModel):
+    """`ServiceClient.close(status, detail)`: how the client's work in the session ended."""
+
+    reason: FinishReason
+    detail: str | None = None
 
 
 class LoraConfig(TinkerModel):

@@ -84,6 +84,13 @@ async def session_heartbeat(
     return await service.heartbeat(res, who.principal, body.session_id)
 
 
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(
+    res: ResourcesDep, who: CallerDep, session_id: str, body: p.FinishSessionRequest
+) -> dict[str, Any]:
+    return await service.finish_session(res, who.principal, session_id, body)
+
+
 @router.post("/create_model")
 async def create_model(res: ResourcesDep, who: CallerDep, body: p.CreateModelRequest) -> dict[str, Any]:
     return await service.create_model(res, who.principal, body)

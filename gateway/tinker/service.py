@@ -62,9 +62,13 @@ def client_config(res: Resources) -> dict[str, Any]:
 
 
 def capabilities(res: Resources) -> dict[str, Any]:
-    models = []
-    for name in res.settings.base_models:
-        models.append({"model_name": name, "trainable": True, "sampleable": True})
+    """The base models. `tokenizer_id` (`get_info`'s, which the SDK's type of this answer drops) is for
+    clients that load a tokenizer by model name before they make a model, as tinker-cookbook does."""
+    tokenizer = res.settings.tokenizer_of
+    models = [
+        {"model_name": name, "trainable": True, "sampleable": True, "tokenizer_id": tokenizer(name)}
+        for name in res.settings.base_models
+    ]
     return {"supported_models": models}
 
 
@@ -82,6 +86,19 @@ async def heartbeat(res: Resources, who: Principal, session_id: str) -> dict[str
     if not await store.beat_session(res.pool, session_id=session_id, org_id=who.organization_id):
         raise not_found("session", session_id)
     return {"type": "session_heartbeat"}
+
+
+async def finish_session(
+    res: Resources, who: Principal, session_id: str, body: p.FinishSessionRequest
+) -> dict[str, Any]:
+    """Record the end the client reports (the first report wins). Its models are saved and let their
+    slots go once their open requests are answered, as idle ones are (`gateway.tinker.holder`)."""
+    org_id, reason = who.organization_id, body.reason.type
+    if not await store.finish_session(
+        res.pool, session_id=session_id, org_id=org_id, reason=reason, detail=body.detail
+    ):
+        raise not_found("session", session_id)
+    return {"type": "finish_session"}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -137,7 +154,7 @@ async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, A
     return {
         "type": "get_info",
         "model_id": model_id,
-        "model_data": p.model_data(base, str(res.settings.base_models[base].path)),
+        "model_data": p.model_data(base, res.settings.tokenizer_of(base)),
         "is_lora": True,
         "lora_rank": row.lora_rank,
         "model_name": base,
@@ -304,11 +321,6 @@ async def sample(res: Resources, who: Principal, key: str, body: p.SampleRequest
         served = body.base_model
     else:
         raise InvalidRequest("Give sampling_session_id, model_path or base_model.")
-    stop = body.sampling_params.stop
-    if isinstance(stop, list) and stop and isinstance(stop[0], int):
-        raise InvalidRequest(
-            "Stop token ids are not supported; give stop strings.", param="sampling_params.stop"
-        )
     request_id = new_id("tr-")
     await store.add_request(
         res.pool, request_id=request_id, org_id=who.organization_id, model_id=None, kind="sample", payload={}
@@ -337,7 +349,9 @@ async def _sample(res: Resources, key: str, served: str, body: p.SampleRequest, 
     }
     if sp.seed is not None:
         request["seed"] = sp.seed
-    if sp.stop:
+    if isinstance(sp.stop, list) and sp.stop and isinstance(sp.stop[0], int):
+        request["stop_token_ids"] = sp.stop  # vLLM's parameter: the stop token stays in the tokens
+    elif sp.stop:
         request["stop"] = sp.stop
     url = f"{res.settings.internal_gateway_url()}/v1/completions"
     try:

@@ -28,6 +28,14 @@ VALUES ($1, $2, $3, $4, $5, $6)"""
 BEAT_SESSION = """
 UPDATE tinker_sessions SET last_heartbeat_at = now() WHERE id = $1 AND organization_id = $2 RETURNING id"""
 
+FINISH_SESSION = """
+UPDATE tinker_sessions
+SET finished_at = coalesce(finished_at, now()),
+    finish_reason = coalesce(finish_reason, $3),
+    finish_detail = CASE WHEN finish_reason IS NULL THEN $4 ELSE finish_detail END
+WHERE id = $1 AND organization_id = $2
+RETURNING id"""
+
 
 async def create_session(
     conn: Conn, *, session_id: str, org_id: str, key_id: str, tags: list[str], metadata: object, sdk: str
@@ -37,6 +45,13 @@ async def create_session(
 
 async def beat_session(conn: Conn, *, session_id: str, org_id: str) -> bool:
     return await conn.fetchval(BEAT_SESSION, session_id, org_id) is not None
+
+
+async def finish_session(
+    conn: Conn, *, session_id: str, org_id: str, reason: str, detail: str | None
+) -> bool:
+    """Record how the session ended; a session that already has a reason keeps it. False: no such session."""
+    return await conn.fetchval(FINISH_SESSION, session_id, org_id, reason, detail) is not None
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -162,6 +177,9 @@ UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = co
 WHERE id = $1 AND worker_id = $2
   AND NOT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))
 RETURNING id"""
+SESSION_FINISHED = """
+SELECT s.finished_at IS NOT NULL FROM tinker_models m JOIN tinker_sessions s ON s.id = m.session_id
+WHERE m.id = $1"""
 LOSE = "UPDATE tinker_models SET lost = $2, worker_id = NULL WHERE id = $1 AND lost IS NULL RETURNING id"
 FAIL_OPEN = """
 UPDATE tinker_requests SET status = 'failed', error = $2, category = 'server', finished_at = now()
@@ -181,6 +199,11 @@ async def beat(conn: Conn, *, model_id: str, worker_id: str) -> bool:
 async def next_request(conn: Conn, *, model_id: str) -> RequestRow | None:
     """The model's oldest open request (a running one first: a holder that took over answers it again)."""
     return maybe_row_to(RequestRow, await conn.fetchrow(NEXT, model_id))
+
+
+async def session_finished(conn: Conn, *, model_id: str) -> bool:
+    """Whether the client of the model's session reported that it finished (`finish_session`)."""
+    return bool(await conn.fetchval(SESSION_FINISHED, model_id))
 
 
 async def release(conn: Conn, *, model_id: str, worker_id: str, resume_path: str | None) -> bool:

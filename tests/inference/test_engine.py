@@ -74,6 +74,16 @@ async def test_seeded_sampling_is_per_row(engine: ModelEngine) -> None:
     assert different != alone
 
 
+async def test_stop_token_ids_end_a_choice_and_stay_in_its_tokens(engine: ModelEngine) -> None:
+    """The first sampled token that is a stop token ends the choice, kept as its last token (as vLLM does),
+    even where end-of-sequence tokens do not end it."""
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_tokens": 12}
+    free = await _run_alone(engine, PROMPTS[2], None, **greedy)
+    stop = free[3]
+    stopped = await _run_alone(engine, PROMPTS[2], None, stop_token_ids=[stop], **greedy)
+    assert stopped == free[: free.index(stop) + 1]
+
+
 async def test_lru_eviction_and_transparent_reload(engine: ModelEngine, adapter_dirs: list[Path]) -> None:
     for i, name in enumerate(["x", "y"]):
         await asyncio.to_thread(engine.load_adapter, name, str(adapter_dirs[i]))

@@ -7,11 +7,13 @@ and check tenancy, errors and a killed worker.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import httpx
 import numpy as np
 import pytest
@@ -68,7 +70,14 @@ def test_training_lowers_the_loss_and_forward_matches_peft(
     caps = service.get_server_capabilities()
     assert [m.model_name for m in caps.supported_models] == ["tiny-chat"]
     tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=0)
-    assert tc.get_info().model_data.model_name == "tiny-chat"
+    info = tc.get_info().model_data
+    assert info.model_name == "tiny-chat"
+    # the tokenizer a client loads is the model's directory on this one-machine stack, in the capabilities
+    # too (for clients that load one by model name, as tinker-cookbook does)
+    assert info.tokenizer_id == str(gw.settings.base_models["tiny-chat"].path)
+    raw = httpx.get(f"{gw.url}/api/v1/get_server_capabilities", headers={"X-API-Key": "tml-" + org.key})
+    assert raw.json()["supported_models"][0]["tokenizer_id"] == info.tokenizer_id
+    assert tc.get_tokenizer().encode("What is 3 + 4?")
     data = [datum(t) for t in DATA]
     losses = []
     for _ in range(5):
@@ -129,6 +138,14 @@ def test_sampler_weights_sample_and_answer_chat(
         assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
         assert all(lp <= 0 for lp in seq.logprobs)
 
+    # stop token ids end a sequence at the first of them, which stays its last token
+    prompt = types.ModelInput.from_ints(DATA[1][:4])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    free = sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+    stop = free[2]
+    stopped = sampler.sample(prompt, 1, greedy.model_copy(update={"stop": [stop]})).result().sequences[0]
+    assert stopped.tokens == free[: free.index(stop) + 1] and stopped.stop_reason == "stop"
+
     named = tc.save_weights_for_sampler("chat").result()
     model_id, _, name = parse_tinker_path(named.path) or ("", "", "")
     served = served_model_id("tiny-chat", org.org_id, model_id, name)
@@ -186,6 +203,37 @@ def test_other_organisations_and_bad_requests(
         service.create_lora_training_client(base_model="no-such-model", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="Unknown loss function 'hinge'"):
         tc.forward_backward([datum(DATA[0])], "hinge").result()  # type: ignore[arg-type]
+
+
+def test_a_session_records_how_its_client_finished(gw: GatewayServer, gw_admin: Admin, org: Tenant) -> None:
+    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
+        client.create_sampling_client(base_model="tiny-chat")  # opens the session
+        session_id = client.holder.get_session_id()
+    # leaving the block reported `success`; a later report does not replace it
+    http = httpx.Client(base_url=f"{gw.url}/api/v1", headers={"X-API-Key": "tml-" + org.key})
+    again = http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "errored"}, "detail": "x"})
+    assert again.status_code == 200
+    assert asyncio.run(_finish_of(gw, session_id)) == ("success", None)
+    other = gw_admin.tenant("tinker-finish-other")
+    refused = httpx.post(
+        f"{gw.url}/api/v1/sessions/{session_id}/finish",
+        json={"reason": {"type": "interrupted"}},
+        headers={"X-API-Key": "tml-" + other.key},
+    )
+    assert refused.status_code == 404 and refused.json()["error"]["type"] == "invalid_request_error"
+    assert http.post("/sessions/ts-none/finish", json={"reason": {"type": "success"}}).status_code == 404
+
+
+async def _finish_of(gw: GatewayServer, session_id: str) -> tuple[str, str | None]:
+    assert gw.settings.database_url is not None
+    conn = await asyncpg.connect(gw.settings.database_url)
+    try:
+        row = await conn.fetchrow(
+            "SELECT finish_reason, finish_detail FROM tinker_sessions WHERE id = $1", session_id
+        )
+    finally:
+        await conn.close()
+    return row["finish_reason"], row["finish_detail"]
 
 
 def test_an_unknown_or_revoked_key_is_refused(gw: GatewayServer, gw_admin: Admin) -> None:
