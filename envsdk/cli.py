@@ -104,7 +104,6 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from envsdk.archive import pack
-
     from envsdk.manifest import load_manifest
     from envsdk.venvs import normalise_requirements
 
