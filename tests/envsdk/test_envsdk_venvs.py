@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import os
+import tarfile
 import textwrap
 import threading
 import zipfile
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from envsdk import cli
 from envsdk.errors import PackageError
 from envsdk.manifest import parse_manifest
 from envsdk.sandbox import Sandbox, probe_backend
@@ -272,3 +275,37 @@ def test_a_killed_build_is_cleaned_by_the_next(tmp_path: Path, wheel_package: Ca
     assert venv == builder.root / key and (venv / READY).is_file()
     assert leftovers(builder.root) == [key]
     assert os.access(venv, os.R_OK | os.X_OK)
+
+
+def test_cli_pack_records_and_test_runs_in_a_user_cache_venv(
+    tmp_path: Path,
+    wheel_package: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    sandbox_backend: str,
+) -> None:
+    package = wheel_package("clipkg")
+    archive = tmp_path / "clipkg.tar.gz"
+    assert cli.main(["pack", str(package), "-o", str(archive)]) == 0
+    assert "requirements: tinyreward==1.0" in capsys.readouterr().err
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("environment.toml")
+        assert member is not None
+        manifest = parse_manifest(member.read().decode())
+        assert manifest.requirements == ["tinyreward==1.0"]
+        assert "wheels/tinyreward-1.0-py3-none-any.whl" in tar.getnames()
+    monkeypatch.delenv("ENVSDK_VENV_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"messages": [{"role": "user", "content": "?"}], "answer": "four"}) + "\n")
+    assert cli.main(["test", str(package), "--tasks", str(tasks), "--completions", "score"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["reward"] == 4.0 and lines[-1]["mean_reward"] == 4.0
+    [venv] = leftovers(tmp_path / "cache" / "envsdk" / "venvs")
+    assert (tmp_path / "cache" / "envsdk" / "venvs" / venv / READY).is_file()
+    # an unpinned requirement: pack refuses it, naming it
+    (package / "environment.toml").write_text(
+        (package / "environment.toml").read_text().replace("tinyreward==1.0", "tinyreward>=1")
+    )
+    assert cli.main(["pack", str(package), "-o", str(archive)]) == 1
+    assert "'tinyreward>=1' must pin one version with '=='" in capsys.readouterr().err
