@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from envsdk.errors import PackageError
+from envsdk.requirements import normalise_requirements
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +152,6 @@ class Manifest(BaseModel):
     @field_validator("requirements")
     @classmethod
     def _pinned(cls, value: list[str]) -> list[str]:
-        from envsdk.venvs import normalise_requirements
-
         try:
             normalise_requirements(value)
         except PackageError as exc:

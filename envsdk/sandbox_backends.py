@@ -30,7 +30,6 @@ import envsdk
 from envsdk.errors import SandboxError
 from envsdk.manifest import Limits
 from envsdk.sandbox_dirs import owned_tempdir
-from envsdk.venvs import SANDBOX_VENV, site_packages
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +37,8 @@ ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
 SANDBOX_PYTHONPATH = "/opt/envsdk"
 SCRATCH = "/scratch"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_VENV = "/venv"
+"""Where the sandbox mounts a package's venv (read-only, :mod:`envsdk.venvs`)."""
 
 _probe_cache: dict[str, bool] = {}
 
@@ -92,6 +93,12 @@ class Mount:
             "perms": self.perms,
             "size": self.size,
         }
+
+
+def site_packages(venv: Path) -> Path:
+    """The venv's site-packages directory (``lib/pythonX.Y/site-packages``)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return Path(venv) / "lib" / version / "site-packages"
 
 
 def root_links() -> list[Mount]:

@@ -42,10 +42,18 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
+from envsdk.requirements import RequirementsError, normalise_requirements
+from envsdk.sandbox_backends import base_python
 
-from envsdk.errors import PackageError
+__all__ = [
+    "RequirementsError",
+    "VenvBuilder",
+    "builder_env",
+    "configure",
+    "default_builder",
+    "normalise_requirements",
+    "venv_key",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,49 +64,9 @@ VENV_MAX_BYTES_ENV = "ENVSDK_VENV_MAX_BYTES"
 READY = ".envsdk-venv.json"
 """Written last into a finished venv: what it was built from (its presence marks the venv complete)."""
 BUILD_PREFIX = ".build-"
-MAX_REQUIREMENTS = 200
 WHEELS_DIR = "wheels"
-SANDBOX_VENV = "/venv"
-"""Where the sandbox mounts a package's venv (read-only)."""
 
 _configured: VenvBuilder | None = None
-
-
-class RequirementsError(PackageError):
-    """A package's requirements are invalid (``invalid_requirements``) or could not be built
-    (``requirements_build_failed``)."""
-
-
-def normalise_requirements(requirements: Iterable[str]) -> list[str]:
-    """The requirements parsed by ``packaging`` and normalised (canonical names, sorted extras), sorted.
-
-    Each must pin one version with ``==`` (no wildcard, no URL); a name may appear once. Raises
-    :class:`RequirementsError` naming the offending requirement."""
-    seen: dict[str, str] = {}
-    for text in requirements:
-        try:
-            req = Requirement(text)
-        except InvalidRequirement as exc:
-            raise RequirementsError(
-                f"requirement {text!r} is not a valid requirement: {exc}", "invalid_requirements"
-            ) from None
-        specs = list(req.specifier)
-        if req.url or len(specs) != 1 or specs[0].operator != "==" or specs[0].version.endswith(".*"):
-            raise RequirementsError(
-                f"requirement {text!r} must pin one version with '==' (for example 'sympy==1.14.0')",
-                "invalid_requirements",
-            )
-        name = canonicalize_name(req.name)
-        if name in seen:
-            raise RequirementsError(
-                f"requirement {text!r}: {req.name} is listed twice", "invalid_requirements"
-            )
-        extras = f"[{','.join(sorted(canonicalize_name(e) for e in req.extras))}]" if req.extras else ""
-        marker = f"; {req.marker}" if req.marker else ""
-        seen[name] = f"{name}{extras}=={specs[0].version}{marker}"
-    if len(seen) > MAX_REQUIREMENTS:
-        raise RequirementsError(f"more than {MAX_REQUIREMENTS} requirements", "invalid_requirements")
-    return sorted(seen.values())
 
 
 def wheel_digests(wheels_dir: Path | None) -> dict[str, str]:
@@ -122,12 +90,6 @@ def venv_key(requirements: list[str], wheels: dict[str, str] | None = None) -> s
         "wheels": dict(sorted((wheels or {}).items())),
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def site_packages(venv: Path) -> Path:
-    """The venv's site-packages directory (``lib/pythonX.Y/site-packages``)."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    return Path(venv) / "lib" / version / "site-packages"
 
 
 def tree_bytes(path: Path) -> int:
@@ -202,8 +164,6 @@ class VenvBuilder:
             shutil.rmtree(final, ignore_errors=True)
 
     def _build(self, key: str, requirements: list[str], wheels_dir: Path | None, final: Path) -> None:
-        from envsdk.sandbox_backends import base_python
-
         started = time.monotonic()
         temp = Path(tempfile.mkdtemp(prefix=f"{BUILD_PREFIX}{key}-", dir=self.root))
         try:
