@@ -194,7 +194,13 @@ class VenvBuilder:
 
     def _run(self, argv: list[str], what: str) -> None:
         """Run one build step under the time cap (its process group killed past it)."""
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        # pip's own configuration (PIP_*, proxies, certificates, HOME for pip.conf) but none of the
+        # gateway's settings (TUNEGATE_*: database URL, keys) and no Python path of this process
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("TUNEGATE_")
+        }
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )

@@ -76,6 +76,7 @@ TRAINER_ENV_PREFIXES = (
     "NCCL_",
     "OMP_",
     "MKL_",
+    "PIP_",  # pip's configuration, for a trainer that builds its environment package's venv
 )
 
 
