@@ -64,6 +64,8 @@ VENV_MAX_BYTES_ENV = "ENVSDK_VENV_MAX_BYTES"
 READY = ".envsdk-venv.json"
 """Written last into a finished venv: what it was built from (its presence marks the venv complete)."""
 BUILD_PREFIX = ".build-"
+SIZE_CHECK_S = 1.0
+"""How often a running build's size is checked against the cap."""
 WHEELS_DIR = "wheels"
 
 _configured: VenvBuilder | None = None
@@ -167,13 +169,15 @@ class VenvBuilder:
         started = time.monotonic()
         temp = Path(tempfile.mkdtemp(prefix=f"{BUILD_PREFIX}{key}-", dir=self.root))
         try:
-            self._run([str(base_python()), "-m", "venv", "--without-pip", str(temp)], "make the venv")
+            deadline = started + self.timeout_s
+            venv = [str(base_python()), "-m", "venv", "--without-pip", str(temp)]
+            self._run(venv, "make the venv", temp, deadline)
             # pip from this process's environment installs into the venv's interpreter (pip >= 22.3)
             pip = [sys.executable, "-m", "pip", "--python", str(temp / "bin" / "python"), "install"]
             pip += ["--no-input", "--disable-pip-version-check", "--only-binary=:all:"]
             if wheels_dir is not None:
                 pip += ["--no-index", "--find-links", str(wheels_dir)]
-            self._run([*pip, *self.pip_args, *requirements], "build the requirements")
+            self._run([*pip, *self.pip_args, *requirements], "build the requirements", temp, deadline)
             size = tree_bytes(temp)
             if size > self.max_bytes:
                 raise RequirementsError(
@@ -192,8 +196,9 @@ class VenvBuilder:
         elapsed = time.monotonic() - started
         logger.info("built venv %s (%s) in %.1f s, %d bytes", key, ", ".join(requirements), elapsed, size)
 
-    def _run(self, argv: list[str], what: str) -> None:
-        """Run one build step under the time cap (its process group killed past it)."""
+    def _run(self, argv: list[str], what: str, temp: Path, deadline: float) -> None:
+        """Run one build step until ``deadline`` (the build's time cap) while ``temp`` stays under the size
+        cap, checked every ``SIZE_CHECK_S``; past either its process group is killed."""
         # pip's own configuration (PIP_*, proxies, certificates, HOME for pip.conf) but none of the
         # gateway's settings (TUNEGATE_*: database URL, keys) and no Python path of this process
         env = {
@@ -205,18 +210,28 @@ class VenvBuilder:
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         try:
-            output, _ = proc.communicate(timeout=self.timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise RequirementsError(
-                f"could not {what}: it took longer than {self.timeout_s:g} s", "requirements_build_failed"
-            ) from None
+            while True:
+                try:  # communicate() may be called again after a timeout; it keeps what it read
+                    output, _ = proc.communicate(
+                        timeout=max(0.0, min(SIZE_CHECK_S, deadline - time.monotonic()))
+                    )
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() >= deadline:
+                        raise RequirementsError(
+                            f"could not {what}: it took longer than {self.timeout_s:g} s",
+                            "requirements_build_failed",
+                        ) from None
+                    if (size := tree_bytes(temp)) > self.max_bytes:
+                        raise RequirementsError(
+                            f"could not {what}: the venv grew to {size} bytes, over the cap of "
+                            f"{self.max_bytes} bytes",
+                            "requirements_build_failed",
+                        ) from None
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.communicate()
             raise
         if proc.returncode != 0:
             text = output.decode(errors="replace")
