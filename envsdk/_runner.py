@@ -2,7 +2,8 @@
 
 Started by :class:`envsdk.sandbox.Sandbox` as ``python -S -B -m envsdk._runner [--rlimits SPEC]
 [--drop-uid N --drop-gid N] [--site DIR] PACKAGE_DIR`` (``--site``: the site-packages of the package's
-requirements, added after the privileges are dropped and the rlimits set). Before any user code is imported it
+requirements, added after the privileges are dropped and the rlimits set). Before any user code is
+imported it
 
 * moves the RPC channel to private duplicates of fds 0 and 1, points fd 0 at ``/dev/null`` and fd 1 at
   stderr, so that ``print()`` and ``os.write(1, ...)`` from user code cannot corrupt the channel;

@@ -104,6 +104,16 @@ def tree_bytes(path: Path) -> int:
     return total
 
 
+def readable_by_all(path: Path) -> None:
+    """Let every uid read the files under ``path`` and traverse its directories (links left alone)."""
+    for root, _dirs, files in os.walk(path):
+        os.chmod(root, os.stat(root).st_mode | 0o555)
+        for name in files:
+            full = os.path.join(root, name)
+            if not os.path.islink(full):
+                os.chmod(full, os.stat(full).st_mode | 0o444)
+
+
 def _pip_reason(output: str) -> str:
     """pip's reason in one line: its last ``ERROR:`` line (else the last line it wrote)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
@@ -188,7 +198,7 @@ class VenvBuilder:
             (temp / READY).write_text(
                 json.dumps({"requirements": requirements, "wheels": wheels_dir is not None, "bytes": size})
             )
-            temp.chmod(0o755)  # the sandbox's own uid reads it
+            readable_by_all(temp)  # the sandbox's own uid reads it, whatever this process's umask
             os.rename(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)

@@ -309,3 +309,20 @@ def test_cli_pack_records_and_test_runs_in_a_user_cache_venv(
     )
     assert cli.main(["pack", str(package), "-o", str(archive)]) == 1
     assert "'tinyreward>=1' must pin one version with '=='" in capsys.readouterr().err
+
+
+def test_a_venv_built_under_a_strict_umask_is_readable_in_the_sandbox(
+    tmp_path: Path, wheel_package: Callable[[str], Path], sandbox_backend: str
+) -> None:
+    builder = VenvBuilder(tmp_path / "cache")
+    previous = os.umask(0o077)  # the builder's process keeps its files to itself...
+    try:
+        venv = Sandbox(wheel_package("strict"), venvs=builder).ensure_venv()
+    finally:
+        os.umask(previous)
+    assert venv is not None
+    # ...and the sandbox's own uid (as root, a fresh one) still imports the venv's code
+    with Sandbox(wheel_package("strict2"), venvs=builder, backend=sandbox_backend) as sandbox:
+        assert sandbox.venv == venv
+        [result] = sandbox.reward_batch([{"task": {"answer": "ab"}, "completion": "score"}])
+        assert result == {"reward": 2.0, "error": None}
