@@ -7,6 +7,7 @@ The authoring API (stdlib only, importable inside the sandbox)::
 The host side (pydantic; imported lazily so that ``import envsdk`` stays light)::
 
     from envsdk import Sandbox, Limits, Maxima, Manifest, inspect_package, safe_extract, pack
+    from envsdk import VenvBuilder       # the venvs of packages' pinned requirements
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from envsdk.manifest import Limits, Manifest, Maxima, load_manifest
     from envsdk.rollout import run_episode, run_single_turn
     from envsdk.sandbox import Sandbox, detect_backend
+    from envsdk.venvs import VenvBuilder
 
 _LAZY = {
     "Sandbox": "envsdk.sandbox",
@@ -37,6 +39,7 @@ _LAZY = {
     "pack": "envsdk.archive",
     "run_episode": "envsdk.rollout",
     "run_single_turn": "envsdk.rollout",
+    "VenvBuilder": "envsdk.venvs",
 }
 
 __all__ = [
@@ -58,6 +61,7 @@ __all__ = [
     "StepResult",
     "StopReason",
     "ToolEnv",
+    "VenvBuilder",
     "completion_text",
     "detect_backend",
     "inspect_package",

@@ -1,7 +1,9 @@
 """The sandboxed child: reads JSON-lines requests, answers them from an :class:`~envsdk.host.EnvHost`.
 
 Started by :class:`envsdk.sandbox.Sandbox` as ``python -S -B -m envsdk._runner [--rlimits SPEC]
-[--drop-uid N --drop-gid N] PACKAGE_DIR``. Before any user code is imported it
+[--drop-uid N --drop-gid N] [--site DIR] PACKAGE_DIR`` (``--site``: the site-packages of the package's
+requirements, added after the privileges are dropped and the rlimits set). Before any user code is
+imported it
 
 * moves the RPC channel to private duplicates of fds 0 and 1, points fd 0 at ``/dev/null`` and fd 1 at
   stderr, so that ``print()`` and ``os.write(1, ...)`` from user code cannot corrupt the channel;
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     uid = gid = None
     rlimits = ""
+    sites: list[str] = []
     while args and args[0].startswith("--"):
         flag, value = args.pop(0), args.pop(0)
         if flag == "--drop-uid":
@@ -80,11 +83,18 @@ def main(argv: list[str] | None = None) -> int:
             gid = int(value)
         elif flag == "--rlimits":
             rlimits = value
+        elif flag == "--site":
+            sites.append(value)
     package_dir = args[0] if args else "."
     rpc_in, rpc_out = _protect_channel()
     if uid is not None:
         _drop_privileges(uid, gid if gid is not None else uid)
     _set_rlimits(rlimits)
+    if sites:  # the requirements' venv (read-only): its packages and their .pth files, after the stdlib
+        import site
+
+        for directory in sites:
+            site.addsitedir(directory)
     sys.path.insert(0, package_dir)
     sys.dont_write_bytecode = True
     owner = os.getpid()

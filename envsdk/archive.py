@@ -23,10 +23,13 @@ import shutil
 import stat
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envsdk.errors import PackageError, SandboxError
 from envsdk.manifest import MANIFEST_NAME, Limits, Manifest, load_manifest
+
+if TYPE_CHECKING:
+    from envsdk.venvs import VenvBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +265,16 @@ def inspect_package(
     limits: Limits | None = None,
     config: dict[str, Any] | None = None,
     allow_unsandboxed: bool = False,
+    venvs: VenvBuilder | None = None,
 ) -> Manifest:
     """Check an uploaded package; returns its manifest or raises :class:`PackageError`.
 
     Extracts into ``workdir/package`` (``workdir`` is the caller's to delete), validates
     ``environment.toml``, then starts the package in a :class:`~envsdk.sandbox.Sandbox` (``limits``, when
     given, caps the manifest's) and asks it to ``describe`` itself: import errors, a missing class or a
-    class that is not an environment come back as ``entrypoint_error``.
+    class that is not an environment come back as ``entrypoint_error``. A package with ``requirements``
+    has its venv built first (by ``venvs``, else the process's default builder; cached per requirement
+    set): a set that cannot be built raises ``requirements_build_failed`` with pip's reason.
     """
     from envsdk.sandbox import Sandbox
 
@@ -288,7 +294,7 @@ def inspect_package(
     effective = manifest.limits.capped(limits) if limits is not None else manifest.limits
     try:
         with Sandbox(
-            package_dir, config=config, limits=effective, allow_unsandboxed=allow_unsandboxed
+            package_dir, config=config, limits=effective, allow_unsandboxed=allow_unsandboxed, venvs=venvs
         ) as sandbox:
             info = sandbox.info
     except SandboxError as exc:

@@ -7,6 +7,11 @@
     envsdk inspect ARCHIVE                         # the gateway's upload check, locally
     envsdk test DIR --tasks tasks.jsonl [--completions TEXT ...] [--base-url URL --model M --api-key K]
                 [--n N] [--allow-unsandboxed]      # one JSON line per episode, then a summary line
+
+A package whose ``environment.toml`` lists ``requirements`` (each pinned with ``==``): ``pack`` refuses an
+unpinned one and prints them (the archive's manifest carries them); ``test`` and ``inspect`` run it with
+the venv the gateway would build (:mod:`envsdk.venvs`), cached in ``~/.cache/envsdk/venvs``
+(``$XDG_CACHE_HOME``, or ``ENVSDK_VENV_DIR``).
 """
 
 from __future__ import annotations
@@ -99,8 +104,14 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from envsdk.archive import pack
+    from envsdk.manifest import load_manifest
+    from envsdk.venvs import normalise_requirements
 
     out, digest = pack(Path(args.dir), Path(args.output) if args.output else None)
+    # the archive's environment.toml carries them; pack refused a requirement not pinned with ==
+    requirements = normalise_requirements(load_manifest(Path(args.dir)).requirements)
+    if requirements:
+        print(f"requirements: {' '.join(requirements)}", file=sys.stderr)
     print(f"{digest}  {out}")
     return 0
 
@@ -193,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unsandboxed", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("test", help="play episodes in the sandbox and print rewards")
+    p = sub.add_parser(
+        "test",
+        help="play episodes in the sandbox and print rewards (requirements: a venv cached in "
+        "~/.cache/envsdk/venvs, as the gateway builds them)",
+    )
     p.add_argument("dir")
     p.add_argument("--tasks", required=True, help="JSONL file of tasks (OpenAI RFT rows)")
     p.add_argument("--completions", nargs="+", help="literal completions to score (single-turn)")

@@ -24,7 +24,8 @@ class PackageError(EnvSDKError):
 
     Codes: ``bad_archive``, ``unsafe_path``, ``special_file``, ``too_many_entries``, ``too_large``,
     ``compression_ratio``, ``header_too_large``, ``missing_manifest``, ``invalid_manifest``,
-    ``entrypoint_error``, ``symlink``.
+    ``entrypoint_error``, ``symlink``; ``invalid_requirements`` and ``requirements_build_failed``
+    (:class:`envsdk.venvs.RequirementsError`).
     """
 
 

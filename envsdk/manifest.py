@@ -6,6 +6,7 @@
     version = "0.1.0"
     entrypoint = "arithmetic_env:ArithmeticEnv"
     description = "Exact-answer arithmetic."
+    requirements = ["sympy==1.14.0"]   # optional: each pinned with ==; before any [table]
 
     [limits]
     timeout_s = 30      # wall-clock seconds per call into the sandbox
@@ -25,9 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from envsdk.errors import PackageError
+from envsdk.requirements import normalise_requirements
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,19 @@ class Manifest(BaseModel):
     """Resource limits (each capped by the operator's maxima)."""
     config: dict[str, object] = Field(default_factory=dict)
     """Default config passed to the environment (a job's ``config`` overrides keys)."""
+    requirements: list[str] = Field(default_factory=list, max_length=200)
+    """Packages the environment imports, each pinned with ``==`` (``"sympy==1.14.0"``): installed into a
+    venv built outside the sandbox (from the registry, or from the package's ``wheels/`` folder) and mounted
+    read-only into it (:mod:`envsdk.venvs`)."""
+
+    @field_validator("requirements")
+    @classmethod
+    def _pinned(cls, value: list[str]) -> list[str]:
+        try:
+            normalise_requirements(value)
+        except PackageError as exc:
+            raise ValueError(exc.message) from None
+        return value
 
 
 def parse_manifest(text: str) -> Manifest:

@@ -4,9 +4,10 @@ Isolation (the ``bwrap`` backend, bubblewrap):
 
 * its own network namespace (only a down loopback: no network at all), PID, IPC and UTS namespaces;
 * a new root holding read-only binds of ``/usr`` (and the ``/lib*``, ``/bin`` links), the Python prefix,
-  envsdk's own source and the package (at ``/env``), a writable scratch (``/scratch``, also ``/tmp``): a
-  tmpfs of ``disk_mb``, so all the sandbox writes is bounded and gone when it ends; a fresh ``/proc`` and a
-  minimal ``/dev`` -- nothing else of the host: no blob store, no database files, no other tenant's data,
+  envsdk's own source, the package (at ``/env``) and its requirements' venv (at ``/venv``, built outside
+  the sandbox by :mod:`envsdk.venvs`), a writable scratch (``/scratch``, also ``/tmp``): a tmpfs of
+  ``disk_mb``, so all the sandbox writes is bounded and gone when it ends; a fresh ``/proc`` and a minimal
+  ``/dev`` -- nothing else of the host: no blob store, no database files, no other tenant's data,
   no ``/etc``;
 * a clean environment (``PATH``, ``HOME``, ``LANG``, ``TMPDIR``, ``PYTHONPATH`` only);
 * an unprivileged uid: as root, bubblewrap runs without a user namespace and the child drops to a uid of
@@ -64,6 +65,7 @@ from envsdk.sandbox_backends import (
     sandbox_command,
 )
 from envsdk.sandbox_dirs import owned_tempdir, owned_workdir, remove_stale_dirs, remove_stale_once
+from envsdk.venvs import WHEELS_DIR, VenvBuilder, default_builder
 
 __all__ = [
     "ENVSDK_SRC",
@@ -122,7 +124,9 @@ class Sandbox:
     config; ``limits`` replaces the manifest's limits; either way each limit is lowered to ``maxima``'s
     (the operator's; :class:`~envsdk.manifest.Maxima`'s conservative defaults when not given). Sync API;
     ``acall`` and friends run the same calls in a thread for asyncio callers. One call at a time per
-    sandbox.
+    sandbox. A package with ``requirements`` gets its venv from ``venvs`` (:mod:`envsdk.venvs`; the
+    process's default builder when not given), built on the first :meth:`start` unless cached, and
+    mounted read-only at ``/venv``.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class Sandbox:
         allow_unsandboxed: bool = False,
         backend: str | None = None,
         entrypoint: str | None = None,
+        venvs: VenvBuilder | None = None,
     ) -> None:
         self.package_dir = Path(package_dir).resolve()
         manifest = load_manifest(self.package_dir)
@@ -149,6 +154,8 @@ class Sandbox:
         if backend not in (None, "bwrap", "unshare", "none"):
             raise ValueError(f"unknown sandbox backend {backend!r}")
         self.requested_backend = backend
+        self.venvs = venvs
+        self.venv: Path | None = None
         self.backend: str | None = None
         self.uid: int | None = None
         self.info: dict[str, Any] = {}
@@ -166,6 +173,8 @@ class Sandbox:
         if self._proc is not None:
             self.close()
         remove_stale_once()
+        if self.manifest.requirements and self.venv is None:
+            self.venv = self.ensure_venv()
         backend = self.requested_backend or detect_backend(allow_unsandboxed=self.allow_unsandboxed)
         if backend != "none" and not probe_backend(backend):
             raise SandboxError("unavailable", f"sandbox backend {backend!r} does not work on this machine")
@@ -174,7 +183,7 @@ class Sandbox:
         host_dir = owned_tempdir("scratch" if backend == "none" else "root")
         self._host_dir = host_dir
         self.uid = allocate_uid() if is_root() and backend != "none" else None
-        cmd = sandbox_command(backend, self.package_dir, self.limits, host_dir, self.uid)
+        cmd = sandbox_command(backend, self.package_dir, self.limits, host_dir, self.uid, self.venv)
         logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
         self._buffer = bytearray()
         self._stderr.clear()
@@ -211,6 +220,13 @@ class Sandbox:
                 ) from exc
             raise
         return self.info
+
+    def ensure_venv(self) -> Path | None:
+        """The venv of the package's requirements, built (outside the sandbox, blocking) unless it is
+        cached: by this sandbox's ``venvs`` builder, else :func:`~envsdk.venvs.default_builder`. Raises
+        :class:`~envsdk.venvs.RequirementsError` (a :class:`~envsdk.errors.PackageError`)."""
+        builder = self.venvs or default_builder()
+        return builder.ensure(self.manifest.requirements, self.package_dir / WHEELS_DIR)
 
     def close(self) -> None:
         """Kill the process group, and every process left of the sandbox's uid, and remove its host

@@ -37,6 +37,8 @@ ENVSDK_SRC = Path(envsdk.__file__).resolve().parent
 SANDBOX_PYTHONPATH = "/opt/envsdk"
 SCRATCH = "/scratch"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+SANDBOX_VENV = "/venv"
+"""Where the sandbox mounts a package's venv (read-only, :mod:`envsdk.venvs`)."""
 
 _probe_cache: dict[str, bool] = {}
 
@@ -93,6 +95,12 @@ class Mount:
         }
 
 
+def site_packages(venv: Path) -> Path:
+    """The venv's site-packages directory (``lib/pythonX.Y/site-packages``)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return Path(venv) / "lib" / version / "site-packages"
+
+
 def root_links() -> list[Mount]:
     """``/usr`` read-only, and ``/bin``, ``/lib``... as on the host: links stay links, directories become
     read-only binds."""
@@ -113,10 +121,10 @@ def _ro_bind(source: Path | str, dest: str) -> list[Mount]:
     return [*parents, Mount("ro-bind", dest, str(source))]
 
 
-def file_system_view(package_dir: Path | None, *, disk_bytes: int) -> list[Mount]:
+def file_system_view(package_dir: Path | None, *, disk_bytes: int, venv: Path | None = None) -> list[Mount]:
     """Everything the sandbox sees, for both backends: read-only system directories, the Python prefix,
-    envsdk and the package (``/env``); a scratch tmpfs of ``disk_bytes`` (also ``/tmp``); ``/proc`` and a
-    minimal ``/dev``."""
+    envsdk, the package (``/env``) and its requirements' venv (``/venv``, when it has one); a scratch tmpfs
+    of ``disk_bytes`` (also ``/tmp``); ``/proc`` and a minimal ``/dev``."""
     python = base_python()
     prefix = Path(sys.base_prefix).resolve()
     view = root_links()
@@ -127,6 +135,8 @@ def file_system_view(package_dir: Path | None, *, disk_bytes: int) -> list[Mount
     view += _ro_bind(ENVSDK_SRC, f"{SANDBOX_PYTHONPATH}/envsdk")
     if package_dir is not None:
         view.append(Mount("ro-bind", "/env", str(package_dir)))
+    if venv is not None:
+        view.append(Mount("ro-bind", SANDBOX_VENV, str(venv)))
     view += [
         Mount("tmpfs", SCRATCH, perms=0o1777, size=disk_bytes),
         Mount("symlink", "/tmp", SCRATCH),
@@ -230,10 +240,17 @@ def detect_backend(*, allow_unsandboxed: bool = False) -> str:
 
 
 def sandbox_command(
-    backend: str, package_dir: Path, limits: Limits, host_dir: Path, uid: int | None
+    backend: str,
+    package_dir: Path,
+    limits: Limits,
+    host_dir: Path,
+    uid: int | None,
+    venv: Path | None = None,
 ) -> list[str]:
     """The command that starts ``envsdk._runner`` on ``package_dir`` under ``backend``, with ``limits`` as
-    rlimits (and, with ``uid``, dropping to it); ``host_dir`` is the new root's mount point (``unshare``)."""
+    rlimits (and, with ``uid``, dropping to it); ``host_dir`` is the new root's mount point (``unshare``).
+    ``venv`` (the package's requirements, :mod:`envsdk.venvs`) is mounted read-only at ``/venv`` and its
+    site-packages put on the runner's path."""
     rlimits = (
         f"as={limits.memory_mb * 1024 * 1024},cpu={limits.cpu_s},nofile={limits.nofile},"
         f"nproc={limits.nproc},fsize={limits.fsize_mb * 1024 * 1024},core=0"
@@ -241,9 +258,12 @@ def sandbox_command(
     runner = [str(base_python()), "-S", "-B", "-m", "envsdk._runner", "--rlimits", rlimits]
     if uid is not None:
         runner += ["--drop-uid", str(uid), "--drop-gid", str(uid)]
+    if venv is not None:
+        inside = venv if backend == "none" else Path(SANDBOX_VENV)
+        runner += ["--site", str(site_packages(inside))]
     if backend == "none":
         return [*runner, str(package_dir)]
-    view = file_system_view(package_dir, disk_bytes=limits.disk_mb * 1024 * 1024)
+    view = file_system_view(package_dir, disk_bytes=limits.disk_mb * 1024 * 1024, venv=venv)
     if backend == "unshare":
         return unshare_command(host_dir, view, [*runner, "/env"])
     env = [a for name, value in sandbox_env().items() for a in ("--setenv", name, value)]

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from envsdk.manifest import Maxima
+from envsdk.venvs import VenvBuilder
 
 
 class BaseModelConfig(BaseModel):
@@ -152,6 +153,13 @@ class Settings(BaseSettings):
     sandbox_max_disk_mb: int = Field(default=512, ge=1)
     """Most bytes a sandbox may write in all, in MiB: its scratch (`/scratch`, `/tmp`, `HOME`) is a tmpfs of
     at most this size (memory of the host, apart from `sandbox_max_memory_mb`), gone when it ends."""
+    env_venv_dir: Path | None = None
+    """Where the venvs of environment packages' `requirements` are built and cached, one per distinct set,
+    shared by every package and organisation with that set (`envsdk.venvs`); unset: `<data_dir>/venvs`."""
+    env_venv_build_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest time one venv build (pip, outside the sandbox) may take; past it the upload or job fails."""
+    env_venv_max_bytes: int = Field(default=2 * 1024**3, ge=1024 * 1024)
+    """Largest venv of one requirement set, in bytes; a bigger one is refused and removed."""
 
     db_pool_min: int = 1
     """Smallest size of the PostgreSQL connection pool."""
@@ -298,6 +306,14 @@ class Settings(BaseSettings):
             nofile=self.sandbox_max_nofile,
             fsize_mb=self.sandbox_max_fsize_mb,
             disk_mb=self.sandbox_max_disk_mb,
+        )
+
+    def venv_builder(self) -> VenvBuilder:
+        """The builder of environment packages' venvs (`env_venv_*`), for `envsdk`."""
+        return VenvBuilder(
+            root=self.env_venv_dir or self.data_dir / "venvs",
+            timeout_s=self.env_venv_build_timeout_s,
+            max_bytes=self.env_venv_max_bytes,
         )
 
     def internal_gateway_url(self) -> str:

@@ -99,9 +99,11 @@ def env_server(
 ) -> None:
     """Host sandboxed environments for the trainers of a pool (needs TUNEGATE_REDIS_URL); scale by running
     more. SIGTERM drains it."""
+    from envsdk import venvs
     from envsdk.server import run_env_server
 
     settings = Settings()
+    venvs.configure(settings.venv_builder())  # packages with requirements: the gateway's venv cache
     _logging(settings)
     if not settings.redis_url:
         typer.echo("TUNEGATE_REDIS_URL is not set.", err=True)

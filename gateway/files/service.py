@@ -74,8 +74,10 @@ def check_environment(path: Path, settings: Settings) -> None:
 
     ``envsdk.archive.inspect_package`` extracts it under the settings' caps (entries, unpacked bytes,
     compression ratio; no ``..``, absolute paths, links out or devices), validates ``environment.toml`` and
-    starts the package in the sandbox to check that its entrypoint is an environment class. A refusal is a
-    400 ``invalid_environment`` naming the problem.
+    starts the package in the sandbox to check that its entrypoint is an environment class. A package with
+    ``requirements`` has their venv built first (``settings.venv_builder()``: cached once per set, shared
+    with every package and organisation that declares the same). A refusal is a 400
+    ``invalid_environment`` naming the problem (for requirements, pip's reason in one line).
     """
     from envsdk.archive import inspect_package
     from envsdk.errors import EnvSDKError
@@ -92,6 +94,7 @@ def check_environment(path: Path, settings: Settings) -> None:
                 max_ratio=settings.environment_max_ratio,
                 limits=settings.sandbox_maxima().as_limits(),  # the operator's caps, start-up included
                 allow_unsandboxed=settings.allow_unsandboxed_environments,
+                venvs=settings.venv_builder(),  # requirements: built here, once per set (cached)
             )
         except EnvSDKError as exc:
             raise InvalidRequest(

@@ -167,6 +167,7 @@ def _run_environment_sync(
                 config=body.config,
                 maxima=settings.sandbox_maxima(),
                 allow_unsandboxed=settings.allow_unsandboxed_environments,
+                venvs=settings.venv_builder(),
             )
             sandbox.start()
         except EnvSDKError as exc:

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from envsdk.remote_wire import live_servers, pool_key
+from envsdk.venvs import VENV_DIR_ENV, builder_env
 from gateway.settings import Settings
 from gateway.worker.job.process import env_pool_env
 from tests.gateway.test_environments import upload_package, write_package
@@ -196,9 +197,14 @@ def test_only_an_environment_job_s_trainer_learns_where_the_pool_is() -> None:
     environment = {"type": "reinforcement", "reinforcement": {"environment": {"file_id": "file-x"}}}
     grader = {"type": "reinforcement", "reinforcement": {"grader": {"type": "string_check"}}}
     supervised = {"type": "supervised", "supervised": {}}
+    venvs = builder_env(settings.venv_builder())  # and where its package's venv is cached
+    assert venvs[VENV_DIR_ENV] == str(settings.data_dir / "venvs")
     assert env_pool_env(settings, environment) == {
         ENV_POOL_REDIS_ENV: "redis://:secret@redis:6379/0",
         ENV_POOL_NAME_ENV: "gpu-a",
+        **venvs,
     }
+    alone = Settings(redis_url=None)  # no env servers: the trainer runs the package, on the same cache
+    assert env_pool_env(alone, environment) == builder_env(alone.venv_builder())
     for method in (grader, supervised):
         assert env_pool_env(settings, method) == {}

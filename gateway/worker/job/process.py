@@ -37,6 +37,7 @@ from typing import Any
 import asyncpg
 from pydantic import ValidationError
 
+from envsdk.venvs import builder_env
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
 from gateway.tenancy import scoped
@@ -75,6 +76,7 @@ TRAINER_ENV_PREFIXES = (
     "NCCL_",
     "OMP_",
     "MKL_",
+    "PIP_",  # pip's configuration, for a trainer that builds its environment package's venv
 )
 
 
@@ -96,11 +98,15 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
 
 
 def env_pool_env(settings: Settings, method: dict[str, Any]) -> dict[str, str]:
-    """An environment job's `method`: where its trainer finds the env servers (`trainer.envpool`)."""
+    """An environment job's `method`: where its trainer finds the env servers (`trainer.envpool`), and
+    where it finds, or builds, its package's venv (`envsdk.venvs`, the same cache as the uploads')."""
     method = method or {}
-    if not settings.redis_url or not (method.get(str(method.get("type")), {}) or {}).get("environment"):
+    if not (method.get(str(method.get("type")), {}) or {}).get("environment"):
         return {}
-    return {ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool}
+    env = builder_env(settings.venv_builder())
+    if settings.redis_url:
+        env.update({ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool})
+    return env
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:
