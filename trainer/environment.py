@@ -95,6 +95,8 @@ class EnvironmentSession:
         self.last_error: str | None = None
         self.env_wait_s = 0.0
         """Seconds spent waiting on environment calls since the last reset (``env_wait_s`` of a step)."""
+        self.pipeline: Any = None
+        """On env servers, the :class:`trainer.pipeline.RewardPipeline` scoring groups as they generate."""
         logger.info("environment %s (%s) started: %s", self.name, self.kind, self.info)
 
     @property
@@ -166,7 +168,10 @@ class EnvironmentSession:
             payload = [_completion_payload(c) for c in completions]
             results: list[dict[str, Any]]
             try:
-                if self.uses_group_reward:
+                if self.pipeline is not None:
+                    results = self.pipeline.rewards(tasks, payload)
+                    _log(kwargs, "env_sent_early", self.pipeline.early_fraction)
+                elif self.uses_group_reward:
                     results = self._group_rewards(tasks, payload)
                 else:
                     items = [{"task": t, "completion": c} for t, c in zip(tasks, payload, strict=True)]

@@ -215,3 +215,73 @@ def services_stream_len(services: Services, pool: str, server_id: str) -> int:
         return int(client.xlen(pool_key(pool, "requests", server_id)))
     finally:
         client.close()
+
+
+def test_rewards_are_scored_while_the_batch_generates_each_once(
+    start_servers: Start,
+    services: Services,
+    pool: str,
+    redis_client: redis.Redis,
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.data import load_dataset
+    from trainer.environment import EnvironmentSession
+    from trainer.pipeline import RewardPipeline
+    from trainer.rewards import build_reward_funcs
+    from trainer.run import _build_trainer
+
+    start_servers(2)
+    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
+    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+    rows = [
+        json.loads(line) for line in (EXAMPLES / "arithmetic" / "tasks.jsonl").read_text().splitlines()[:4]
+    ]
+    environment = {"package_dir": str(EXAMPLES / "arithmetic"), "config": {}}
+    hyperparameters = {"batch_size": 4, "num_generations": 4, "max_completion_length": 8}
+    spec = read_spec(
+        make_spec(
+            tmp_path,
+            tiny_model_dir,
+            "reinforcement",
+            rows,
+            environment=environment,
+            hyperparameters=hyperparameters,
+            job_id="ftjob-pipelined",
+        )
+    )
+    session = EnvironmentSession(spec)
+    session.pipeline = RewardPipeline(session)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.base_model)
+        tokenizer.padding_side = "left"
+        model = AutoModelForCausalLM.from_pretrained(spec.base_model)
+        dataset = load_dataset("reinforcement", spec.training_file)
+        funcs = build_reward_funcs(spec, session)
+        trainer = _build_trainer(spec, model, tokenizer, dataset, False, funcs, session)
+        assert type(trainer).__name__ == "PipelinedGRPOTrainer"
+        trainer.model.train()
+        batch = [dict(dataset[i]) for i in range(4) for _ in range(4)]  # GRPO's layout: each prompt 4 times
+        trainer._generate_and_score_completions(batch)
+        # groups whose completions all ended went to the servers during generation (those cut at the length
+        # limit when it returned); each completion was scored exactly once there
+        (early,) = trainer._metrics["train"]["env_sent_early"]
+        assert 0 < early <= 1
+        records = [json.loads(v) for v in redis_client.hvals(pool_key(pool, "served", "ftjob-pipelined"))]
+        assert sum(r["items"] for r in records if r["method"] == "reward_batch") == 16
+        # the rewards TRL got are the package's own for exactly the completions TRL made
+        completions = trainer._logs["completion"]
+        local = Sandbox(EXAMPLES / "arithmetic")
+        local.start()
+        try:
+            tasks = [rows[i] for i in range(4) for _ in range(4)]
+            items = [{"task": t, "completion": c} for t, c in zip(tasks, completions, strict=True)]
+            expected = [r["reward"] for r in local.reward_batch(items)]
+        finally:
+            local.close()
+        assert list(trainer._logs["rewards"]["environment"]) == pytest.approx(expected)  # float32 in TRL
+    finally:
+        session.close()
