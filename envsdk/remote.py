@@ -90,6 +90,12 @@ class _Pending:
 
 
 @dataclass
+class _Prepared:
+    key: str
+    future: Future[Any]
+
+
+@dataclass
 class _Episode:
     server: str
     turns: int = 0
@@ -136,6 +142,7 @@ class RemoteSandbox:
         self._pending: dict[str, _Pending] = {}
         self._episodes: dict[str, _Episode] = {}
         self._servers: dict[str, Registration] = {}
+        self._refreshed_at = 0.0
         self._lock = threading.Lock()
         self._refused: str | None = None
         """Why the pool refuses the package (it took down ``CRASH_LIMIT`` servers), once it does."""
@@ -185,7 +192,7 @@ class RemoteSandbox:
 
     def call_many(self, method: str, each: list[dict[str, Any]]) -> list[Any]:
         """``method`` once per params of ``each``, all at once over the pool (``group_reward``'s groups)."""
-        return self.gather([self.submit(method, params) for params in each])
+        return self.gather(self.submit_many(method, each))
 
     def reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Score ``items`` in chunks on every free sandbox of the pool at once."""
@@ -198,12 +205,12 @@ class RemoteSandbox:
         """Send ``items``' chunks; :meth:`gather` their futures for the rewards, in order."""
         if not items:
             return []
-        self._refresh()
+        self._refresh(max_age_s=WATCH_S)
         slots = sum(r.capacity for r in self._servers.values() if not r.draining) or 1
         size = math.ceil(len(items) / min(len(items), slots))
-        return [
-            self.submit("reward_batch", {"items": items[i : i + size]}) for i in range(0, len(items), size)
-        ]
+        return self.submit_many(
+            "reward_batch", [{"items": items[i : i + size]} for i in range(0, len(items), size)]
+        )
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(
@@ -217,11 +224,35 @@ class RemoteSandbox:
     ) -> Future[Any]:
         """Send one request (to ``server``, else the least loaded one); its future holds the result. ``turn``:
         a step's index in its episode (the server records the completed turn under it)."""
+        return self.submit_many(method, [params], server=server, key=key, turn=turn)[0]
+
+    def submit_many(
+        self,
+        method: str,
+        each: list[dict[str, Any]],
+        *,
+        server: str | None = None,
+        key: str | None = None,
+        turn: int | None = None,
+    ) -> list[Future[Any]]:
+        """:meth:`submit` once per params of ``each``, in one Redis round trip (``key``: with one only)."""
+        futures = [self._prepare(method, params, server, key, turn) for params in each]
+        sends = [(p.request, p.server) for p in (self._pending.get(f.key) for f in futures) if p is not None]
+        if sends:
+            pipe = self.redis.pipeline(transaction=False)
+            for request, target in sends:
+                self._send(request, target, pipe)
+            pipe.execute()
+        return [f.future for f in futures]
+
+    def _prepare(
+        self, method: str, params: dict[str, Any], server: str | None, key: str | None, turn: int | None
+    ) -> _Prepared:
         future: Future[Any] = Future()
+        key = key or f"{self.client_id}:{next(self._seq)}"
         if self._refused is not None:
             future.set_exception(SandboxError("package_refused", self._refused))
-            return future
-        key = key or f"{self.client_id}:{next(self._seq)}"
+            return _Prepared(key, future)
         allowed = self.limits.timeout_s + self.limits.startup_timeout_s + QUEUE_MARGIN_S
         request = {
             "key": key,
@@ -234,12 +265,12 @@ class RemoteSandbox:
             "job": self.job_id,
             "allowed_s": allowed,
             "turn": turn,
+            "deadline": now() + allowed,
         }
         target = server or self._pick()
         with self._lock:
             self._pending[key] = _Pending(request, target, future)
-        self._send(request, target)
-        return future
+        return _Prepared(key, future)
 
     def gather(self, futures: list[Future[Any]]) -> list[Any]:
         """The results of ``futures`` in order; the first error raises."""
@@ -252,11 +283,15 @@ class RemoteSandbox:
             raise SandboxError(str(error.get("code") or "remote_error"), str(error.get("message") or "error"))
         return answer.get("result")
 
-    def _send(self, request: dict[str, Any], server: str) -> None:
+    def _send(self, request: dict[str, Any], server: str, pipe: Any = None) -> None:
         request["deadline"] = now() + float(request["allowed_s"])
-        self.redis.xadd(pool_key(self.pool, "requests", server), {"data": encode(request)})
+        (pipe or self.redis).xadd(pool_key(self.pool, "requests", server), {"data": encode(request)})
 
-    def _refresh(self) -> None:
+    def _refresh(self, max_age_s: float = 0.0) -> None:
+        """Read the registrations again (unless read less than ``max_age_s`` ago)."""
+        if max_age_s and time.monotonic() - self._refreshed_at < max_age_s:
+            return
+        self._refreshed_at = time.monotonic()
         try:
             servers = live_servers(self.redis, self.pool)
         except redis.RedisError as exc:

@@ -44,11 +44,12 @@ from envsdk.errors import EnvSDKError, SandboxError
 from envsdk.manifest import Maxima
 from envsdk.remote_wire import (
     CRASH_LIMIT,
+    CRASH_WINDOW_S,
     DEFAULT_POOL,
     REGISTRATION_TTL_S,
     RESULT_TTL_S,
     Registration,
-    crash_count,
+    crashes_key,
     decode,
     deregister,
     encode,
@@ -267,7 +268,11 @@ class EnvServer:
     def _answer(self, request: dict[str, Any], method: str) -> None:
         key = str(request["key"])
         result_key = pool_key(self.pool, "result", key)
-        stored = get_bytes(self.redis, result_key)
+        sha256 = str(request["package"])
+        check = self.redis.pipeline(transaction=False)
+        check.get(result_key)
+        check.zcount(crashes_key(self.pool, sha256), now() - CRASH_WINDOW_S, "+inf")
+        stored, crashes = cast(list[Any], check.execute())
         if stored is not None:  # served already (by this server or another): answer the same again
             REQUESTS.labels(method, "duplicate").inc()
             self._reply(request, key, stored.decode())
@@ -276,6 +281,10 @@ class EnvServer:
             REQUESTS.labels(method, "expired").inc()
             return
         try:
+            if int(crashes) >= CRASH_LIMIT:  # the package took down too many servers: refused
+                raise SandboxError(
+                    "package_refused", refused_message(str(request.get("name")), sha256, crashes)
+                )
             result: dict[str, Any] = {"result": self._call(request, method), "server": self.id}
             REQUESTS.labels(method, "ok").inc()
         except EnvSDKError as exc:
@@ -307,10 +316,7 @@ class EnvServer:
         pipe.execute()
 
     def _call(self, request: dict[str, Any], method: str) -> Any:
-        sha256 = str(request["package"])
-        if (crashes := crash_count(self.redis, self.pool, sha256)) >= CRASH_LIMIT:
-            raise SandboxError("package_refused", refused_message(str(request.get("name")), sha256, crashes))
-        warm = self._warm_for(sha256, dict(request.get("config") or {}))
+        warm = self._warm_for(str(request["package"]), dict(request.get("config") or {}))
         params = dict(request.get("params") or {})
         episode = str(params["episode_id"]) if params.get("episode_id") is not None else None
         index, slot = self._acquire(warm, episode if method not in ("reset", "resume") else None)
