@@ -9,9 +9,13 @@
 * Every request has an idempotency key and a deadline. A reader thread collects the replies; every
   ``WATCH_S`` it checks that each request's server is still registered and its deadline not passed, and
   sends the request again to another server otherwise (a result already written counts instead). An
-  episode whose server died is replayed on another one: ``reset`` with the same task, then its completed
-  turns, then the turn in progress. A request lost ``MAX_ATTEMPTS`` times raises :class:`ServersLost`: the
-  package takes servers down, and the job fails with that.
+  episode whose server died goes on on another one from its last completed turn: that server rebuilds it
+  from the episode's state in Redis (``resume``: the task and the completed turns its servers recorded), then
+  serves the turn in progress. A request lost ``MAX_ATTEMPTS`` times raises :class:`ServersLost`.
+* A server that died while serving the package is counted against the package, across jobs
+  (:func:`envsdk.remote_wire.record_crash`); at ``CRASH_LIMIT`` within the window the pool refuses the
+  package: what is pending fails, and so does every later job's :meth:`RemoteSandbox.start`, with
+  ``package_refused`` naming it.
 
 Errors the sandbox raised on the server come back as the same :class:`~envsdk.errors.SandboxError`.
 """
@@ -28,7 +32,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,11 @@ import redis
 from envsdk.errors import SandboxError
 from envsdk.manifest import Maxima, load_manifest
 from envsdk.remote_wire import (
+    CRASH_LIMIT,
     DEFAULT_POOL,
     PACKAGE_TTL_S,
     Registration,
+    crash_count,
     decode,
     encode,
     get_bytes,
@@ -48,6 +54,8 @@ from envsdk.remote_wire import (
     package_key,
     pool_key,
     read_streams,
+    record_crash,
+    refused_message,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,11 +90,16 @@ class _Pending:
 
 
 @dataclass
+class _Prepared:
+    key: str
+    future: Future[Any]
+
+
+@dataclass
 class _Episode:
     server: str
-    task: dict[str, Any]
-    turns: list[dict[str, Any]] = field(default_factory=list)
-    """Assistant messages of the completed turns (replayed on another server if this one dies)."""
+    turns: int = 0
+    """Completed turns (their messages are in Redis, recorded by the servers that served them)."""
 
 
 class RemoteSandbox:
@@ -129,7 +142,10 @@ class RemoteSandbox:
         self._pending: dict[str, _Pending] = {}
         self._episodes: dict[str, _Episode] = {}
         self._servers: dict[str, Registration] = {}
+        self._refreshed_at = 0.0
         self._lock = threading.Lock()
+        self._refused: str | None = None
+        """Why the pool refuses the package (it took down ``CRASH_LIMIT`` servers), once it does."""
         self._stop = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -139,7 +155,11 @@ class RemoteSandbox:
         return self._reader is not None and self._reader.is_alive()
 
     def start(self) -> dict[str, Any]:
-        """Store the package, start it on every registered server (warm) and return ``describe``'s info."""
+        """Store the package, start it on every registered server (warm) and return ``describe``'s info;
+        ``package_refused`` at once when the pool refuses the package."""
+        crashes = crash_count(self.redis, self.pool, self.package)
+        if crashes >= CRASH_LIMIT:
+            raise SandboxError("package_refused", refused_message(self.manifest.name, self.package, crashes))
         self.redis.set(package_key(self.package), self._archive, ex=PACKAGE_TTL_S)
         if not self.running:
             self._stop.clear()
@@ -172,7 +192,7 @@ class RemoteSandbox:
 
     def call_many(self, method: str, each: list[dict[str, Any]]) -> list[Any]:
         """``method`` once per params of ``each``, all at once over the pool (``group_reward``'s groups)."""
-        return self.gather([self.submit(method, params) for params in each])
+        return self.gather(self.submit_many(method, each))
 
     def reward_batch(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Score ``items`` in chunks on every free sandbox of the pool at once."""
@@ -185,36 +205,72 @@ class RemoteSandbox:
         """Send ``items``' chunks; :meth:`gather` their futures for the rewards, in order."""
         if not items:
             return []
-        self._refresh()
+        self._refresh(max_age_s=WATCH_S)
         slots = sum(r.capacity for r in self._servers.values() if not r.draining) or 1
         size = math.ceil(len(items) / min(len(items), slots))
-        return [
-            self.submit("reward_batch", {"items": items[i : i + size]}) for i in range(0, len(items), size)
-        ]
+        return self.submit_many(
+            "reward_batch", [{"items": items[i : i + size]} for i in range(0, len(items), size)]
+        )
 
     # -- requests ----------------------------------------------------------------------------------
     def submit(
-        self, method: str, params: dict[str, Any], *, server: str | None = None, key: str | None = None
+        self,
+        method: str,
+        params: dict[str, Any],
+        *,
+        server: str | None = None,
+        key: str | None = None,
+        turn: int | None = None,
     ) -> Future[Any]:
-        """Send one request (to ``server``, else the least loaded one); its future holds the result."""
+        """Send one request (to ``server``, else the least loaded one); its future holds the result. ``turn``:
+        a step's index in its episode (the server records the completed turn under it)."""
+        return self.submit_many(method, [params], server=server, key=key, turn=turn)[0]
+
+    def submit_many(
+        self,
+        method: str,
+        each: list[dict[str, Any]],
+        *,
+        server: str | None = None,
+        key: str | None = None,
+        turn: int | None = None,
+    ) -> list[Future[Any]]:
+        """:meth:`submit` once per params of ``each``, in one Redis round trip (``key``: with one only)."""
+        futures = [self._prepare(method, params, server, key, turn) for params in each]
+        sends = [(p.request, p.server) for p in (self._pending.get(f.key) for f in futures) if p is not None]
+        if sends:
+            pipe = self.redis.pipeline(transaction=False)
+            for request, target in sends:
+                self._send(request, target, pipe)
+            pipe.execute()
+        return [f.future for f in futures]
+
+    def _prepare(
+        self, method: str, params: dict[str, Any], server: str | None, key: str | None, turn: int | None
+    ) -> _Prepared:
+        future: Future[Any] = Future()
         key = key or f"{self.client_id}:{next(self._seq)}"
+        if self._refused is not None:
+            future.set_exception(SandboxError("package_refused", self._refused))
+            return _Prepared(key, future)
         allowed = self.limits.timeout_s + self.limits.startup_timeout_s + QUEUE_MARGIN_S
         request = {
             "key": key,
             "method": method,
             "params": params,
             "package": self.package,
+            "name": self.manifest.name,
             "config": self.config,
             "reply": self.replies,
             "job": self.job_id,
             "allowed_s": allowed,
+            "turn": turn,
+            "deadline": now() + allowed,
         }
-        future: Future[Any] = Future()
         target = server or self._pick()
         with self._lock:
             self._pending[key] = _Pending(request, target, future)
-        self._send(request, target)
-        return future
+        return _Prepared(key, future)
 
     def gather(self, futures: list[Future[Any]]) -> list[Any]:
         """The results of ``futures`` in order; the first error raises."""
@@ -227,11 +283,15 @@ class RemoteSandbox:
             raise SandboxError(str(error.get("code") or "remote_error"), str(error.get("message") or "error"))
         return answer.get("result")
 
-    def _send(self, request: dict[str, Any], server: str) -> None:
+    def _send(self, request: dict[str, Any], server: str, pipe: Any = None) -> None:
         request["deadline"] = now() + float(request["allowed_s"])
-        self.redis.xadd(pool_key(self.pool, "requests", server), {"data": encode(request)})
+        (pipe or self.redis).xadd(pool_key(self.pool, "requests", server), {"data": encode(request)})
 
-    def _refresh(self) -> None:
+    def _refresh(self, max_age_s: float = 0.0) -> None:
+        """Read the registrations again (unless read less than ``max_age_s`` ago)."""
+        if max_age_s and time.monotonic() - self._refreshed_at < max_age_s:
+            return
+        self._refreshed_at = time.monotonic()
         try:
             servers = live_servers(self.redis, self.pool)
         except redis.RedisError as exc:
@@ -269,44 +329,41 @@ class RemoteSandbox:
         future = self.submit("reset", params)
         answer = future.result()
         result = self._result(answer)
-        self._episodes[episode] = _Episode(str(answer.get("server")), dict(params.get("task") or {}))
+        self._episodes[episode] = _Episode(str(answer.get("server")))
         return result
 
     def _episode_call(self, method: str, params: dict[str, Any]) -> Any:
         episode_id = str(params["episode_id"])
         episode = self._episodes[episode_id]
-        key = f"{self.client_id}:{episode_id}:{method}:{len(episode.turns)}"
+        key = f"{self.client_id}:{episode_id}:{method}:{episode.turns}"
+        turn = episode.turns if method == "step" else None
         for attempt in range(MAX_ATTEMPTS):
             try:
-                answer = self.submit(method, params, server=episode.server, key=key).result()
+                answer = self.submit(method, params, server=episode.server, key=key, turn=turn).result()
                 break
             except _Lost:
                 self.retries += 1
-                self._replay(episode_id, episode, attempt)
+                self._resume(episode_id, episode, attempt)
         else:
             raise ServersLost(f"episode {episode_id} lost its env server {MAX_ATTEMPTS} times")
         result = self._result(answer)
         if method == "step":
-            episode.turns.append(params["assistant_message"])
+            episode.turns += 1
             if (result or {}).get("done"):
                 self._episodes.pop(episode_id, None)
         elif method == "close_episode":
             self._episodes.pop(episode_id, None)
         return result
 
-    def _replay(self, episode_id: str, episode: _Episode, attempt: int) -> None:
-        """Open the episode again on another server and play its completed turns there."""
+    def _resume(self, episode_id: str, episode: _Episode, attempt: int) -> None:
+        """Have another server rebuild the episode from its state in Redis (its last completed turn)."""
         self._refresh()
         server = self._pick(exclude=episode.server)
         logger.warning(
-            "episode %s: env server %s is gone; replaying on %s", episode_id, episode.server, server
+            "episode %s: env server %s is gone; resuming it on %s", episode_id, episode.server, server
         )
-        base = f"{self.client_id}:{episode_id}:replay{attempt}"
-        reset = {"task": episode.task, "episode_id": episode_id}
-        self._result(self.submit("reset", reset, server=server, key=f"{base}:reset").result())
-        for i, message in enumerate(episode.turns):
-            step = {"episode_id": episode_id, "assistant_message": message}
-            self._result(self.submit("step", step, server=server, key=f"{base}:{i}").result())
+        key = f"{self.client_id}:{episode_id}:resume{attempt}:{episode.turns}"
+        self._result(self.submit("resume", {"episode_id": episode_id}, server=server, key=key).result())
         episode.server = server
 
     # -- replies and the watch ---------------------------------------------------------------------
@@ -336,6 +393,20 @@ class RemoteSandbox:
                 except Exception:  # the watch must go on, or a lost request would be waited for forever
                     logger.exception("env pool %s: watch failed", self.pool)
 
+    def _count_crash(self, server: str) -> bool:
+        """Count ``server``'s death against the package; at ``CRASH_LIMIT``, fail everything pending with
+        ``package_refused`` (True)."""
+        crashes = record_crash(self.redis, self.pool, self.package, server)
+        if crashes < CRASH_LIMIT:
+            return False
+        self._refused = refused_message(self.manifest.name, self.package, crashes)
+        logger.error("env pool %s: %s", self.pool, self._refused)
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for p in pending:
+            p.future.set_exception(SandboxError("package_refused", self._refused))
+        return True
+
     def _resolve(self, key: str, answer: dict[str, Any]) -> None:
         with self._lock:
             pending = self._pending.pop(key, None)
@@ -361,6 +432,8 @@ class RemoteSandbox:
             if stored is not None:
                 self._resolve(key, decode(stored))
                 continue
+            if pending.server not in self._servers and self._count_crash(pending.server):
+                return
             with self._lock:
                 if self._pending.get(key) is not pending:
                     continue

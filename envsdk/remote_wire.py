@@ -13,6 +13,14 @@ names the same one, ``default`` unless the operator says otherwise):
   sent twice (its server died, or its deadline passed) counts once, whichever server answers first.
 * ``served:<job>`` -- a hash, idempotency key -> the server whose result counted, the method and the number
   of completions it scored (what served what).
+* ``episode:<job>:<episode>`` -- an open episode's state, the part that must outlive its server: ``task``
+  (what ``reset`` was given) and one field per completed turn (``0``, ``1``, ...: the assistant message that
+  ``step`` answered), each written once (``HSETNX``) by the server that served it, in the transaction that
+  stores the result; kept ``EPISODE_TTL_S``. A server taking over an episode whose server died rebuilds it
+  from these (``resume``: ``reset`` with the task, then the turns in order) and records nothing new.
+* ``crashes:<sha256>`` -- a sorted set of the servers that died while serving the package (member: the server
+  id, so clients that saw the same death count it once; score: when), over the last ``CRASH_WINDOW_S``. At
+  ``CRASH_LIMIT`` servers refuse the package and its clients fail at once (``package_refused``).
 
 Packages are content-addressed: a client stores the package's reproducible archive
 (:func:`envsdk.archive.pack`) under ``tunegate:envpool:package:<sha256>`` and requests name the hash; a
@@ -36,6 +44,12 @@ RESULT_TTL_S = 900
 """How long a result (and so its idempotency key) is kept."""
 PACKAGE_TTL_S = 7 * 24 * 3600
 """How long a package archive stays in Redis after the last job that stored it."""
+EPISODE_TTL_S = 3600
+"""How long an episode's state is kept after its last turn."""
+CRASH_WINDOW_S = 600.0
+"""The window over which servers that died serving a package are counted."""
+CRASH_LIMIT = 3
+"""Servers dead while serving a package, within ``CRASH_WINDOW_S``, at which the pool refuses it."""
 
 
 def pool_key(pool: str, *parts: str) -> str:
@@ -134,3 +148,61 @@ def read_streams(
 def now() -> float:
     """Wall-clock seconds: deadlines travel between machines (their clocks are assumed synchronised)."""
     return time.time()
+
+
+def episode_key(pool: str, job: str, episode: str) -> str:
+    return pool_key(pool, "episode", job or "-", episode)
+
+
+def record_reset(pipe: Any, pool: str, job: str, episode: str, task: dict[str, Any]) -> None:
+    """Queue on ``pipe`` the write of an episode's task (once)."""
+    key = episode_key(pool, job, episode)
+    pipe.hsetnx(key, "task", encode(task))
+    pipe.expire(key, EPISODE_TTL_S)
+
+
+def record_turn(pipe: Any, pool: str, job: str, episode: str, turn: int, message: dict[str, Any]) -> None:
+    """Queue on ``pipe`` the write of completed turn ``turn`` (once: a turn served twice is recorded once)."""
+    key = episode_key(pool, job, episode)
+    pipe.hsetnx(key, str(turn), encode(message))
+    pipe.expire(key, EPISODE_TTL_S)
+
+
+def episode_state(client: redis.Redis, pool: str, job: str, episode: str) -> tuple[Any, list[Any]]:
+    """An episode's task (``None`` when nothing is recorded) and its completed turns, in order."""
+    fields = {
+        (k.decode() if isinstance(k, bytes) else str(k)): v
+        for k, v in cast(dict[Any, bytes], client.hgetall(episode_key(pool, job, episode))).items()
+    }
+    task = decode(fields["task"]) if "task" in fields else None
+    turns: list[Any] = []
+    while str(len(turns)) in fields:
+        turns.append(decode(fields[str(len(turns))]))
+    return task, turns
+
+
+def crashes_key(pool: str, sha256: str) -> str:
+    return pool_key(pool, "crashes", sha256)
+
+
+def record_crash(client: redis.Redis, pool: str, sha256: str, server_id: str) -> int:
+    """Count ``server_id``'s death while serving the package (once per server); the deaths in the window."""
+    key = crashes_key(pool, sha256)
+    pipe = client.pipeline(transaction=True)
+    pipe.zadd(key, {server_id: now()}, nx=True)
+    pipe.zremrangebyscore(key, "-inf", now() - CRASH_WINDOW_S)
+    pipe.zcard(key)
+    pipe.expire(key, int(CRASH_WINDOW_S))
+    return int(pipe.execute()[2])
+
+
+def crash_count(client: redis.Redis, pool: str, sha256: str) -> int:
+    """Servers that died serving the package within the window."""
+    return int(cast(int, client.zcount(crashes_key(pool, sha256), now() - CRASH_WINDOW_S, "+inf")))
+
+
+def refused_message(name: str, sha256: str, crashes: int) -> str:
+    return (
+        f"package {name} (sha256 {sha256[:12]}) took down {crashes} env servers in the last "
+        f"{CRASH_WINDOW_S / 60:.0f} minutes: env servers refuse it"
+    )

@@ -15,8 +15,10 @@ has the key layout):
 * SIGTERM drains: it says so in its registration (clients send it nothing new), serves what was sent to it
   and the episodes it holds, then deregisters and stops its sandboxes. A second SIGTERM stops it at once.
 
-It is stateless apart from the episodes it holds: a client whose server died replays the episode on another
-server from its last completed turn (:mod:`envsdk.remote`).
+It is stateless apart from the episodes it holds, and what of those must outlive it is in Redis: each reset's
+task and each completed turn, written with the result that served it. When a server dies, a client sends its
+open episodes' next call elsewhere after a ``resume``, which rebuilds the episode there from Redis. A package
+whose requests took down ``CRASH_LIMIT`` servers in ``CRASH_WINDOW_S`` is refused (``package_refused``).
 """
 
 from __future__ import annotations
@@ -41,18 +43,25 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from envsdk.errors import EnvSDKError, SandboxError
 from envsdk.manifest import Maxima
 from envsdk.remote_wire import (
+    CRASH_LIMIT,
+    CRASH_WINDOW_S,
     DEFAULT_POOL,
     REGISTRATION_TTL_S,
     RESULT_TTL_S,
     Registration,
+    crashes_key,
     decode,
     deregister,
     encode,
+    episode_state,
     get_bytes,
     now,
     package_key,
     pool_key,
     read_streams,
+    record_reset,
+    record_turn,
+    refused_message,
     register,
 )
 from envsdk.sandbox import Sandbox
@@ -259,7 +268,11 @@ class EnvServer:
     def _answer(self, request: dict[str, Any], method: str) -> None:
         key = str(request["key"])
         result_key = pool_key(self.pool, "result", key)
-        stored = get_bytes(self.redis, result_key)
+        sha256 = str(request["package"])
+        check = self.redis.pipeline(transaction=False)
+        check.get(result_key)
+        check.zcount(crashes_key(self.pool, sha256), now() - CRASH_WINDOW_S, "+inf")
+        stored, crashes = cast(list[Any], check.execute())
         if stored is not None:  # served already (by this server or another): answer the same again
             REQUESTS.labels(method, "duplicate").inc()
             self._reply(request, key, stored.decode())
@@ -268,6 +281,10 @@ class EnvServer:
             REQUESTS.labels(method, "expired").inc()
             return
         try:
+            if int(crashes) >= CRASH_LIMIT:  # the package took down too many servers: refused
+                raise SandboxError(
+                    "package_refused", refused_message(str(request.get("name")), sha256, crashes)
+                )
             result: dict[str, Any] = {"result": self._call(request, method), "server": self.id}
             REQUESTS.labels(method, "ok").inc()
         except EnvSDKError as exc:
@@ -276,6 +293,12 @@ class EnvServer:
         payload = encode(result)
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(result_key, payload, nx=True, ex=RESULT_TTL_S)
+        params, job = request.get("params") or {}, str(request.get("job") or "")
+        if "result" in result and method == "reset":  # the episode's state outlives this server
+            record_reset(pipe, self.pool, job, str(params.get("episode_id")), dict(params.get("task") or {}))
+        elif "result" in result and method == "step" and request.get("turn") is not None:
+            turn, message = int(request["turn"]), dict(params.get("assistant_message") or {})
+            record_turn(pipe, self.pool, job, str(params.get("episode_id")), turn, message)
         if request.get("job"):
             served = pool_key(self.pool, "served", str(request["job"]))
             pipe.hsetnx(served, key, encode({"server": self.id, "method": method, "items": _items(request)}))
@@ -296,7 +319,7 @@ class EnvServer:
         warm = self._warm_for(str(request["package"]), dict(request.get("config") or {}))
         params = dict(request.get("params") or {})
         episode = str(params["episode_id"]) if params.get("episode_id") is not None else None
-        index, slot = self._acquire(warm, episode if method != "reset" else None)
+        index, slot = self._acquire(warm, episode if method not in ("reset", "resume") else None)
         try:
             if not slot.sandbox.running:
                 try:
@@ -306,12 +329,15 @@ class EnvServer:
             if method == "start":
                 return slot.sandbox.info
             try:
-                result = slot.sandbox.call(method, params)
+                if method == "resume":
+                    result = self._resume(slot.sandbox, str(request.get("job") or ""), str(episode))
+                else:
+                    result = slot.sandbox.call(method, params)
             except SandboxError:
                 self._forget_slot_episodes(warm, index)
                 raise
             with self._lock:
-                if method == "reset":
+                if method in ("reset", "resume"):
                     warm.episodes[str(result["episode_id"])] = index
                 elif episode is not None and (method == "close_episode" or (result or {}).get("done")):
                     warm.episodes.pop(episode, None)
@@ -320,6 +346,19 @@ class EnvServer:
             with self._lock:
                 slot.busy = False
                 self._lock.notify_all()
+
+    def _resume(self, sandbox: Sandbox, job: str, episode: str) -> dict[str, Any]:
+        """Rebuild an episode whose server died from its state in Redis: ``reset`` with its task, then its
+        completed turns in order (recorded already: nothing is written again)."""
+        task, turns = episode_state(self.redis, self.pool, job, episode)
+        if task is None:
+            raise SandboxError(
+                "episode_lost", f"episode {episode} has no state in Redis (expired or never reset)"
+            )
+        sandbox.call("reset", {"task": task, "episode_id": episode})
+        for message in turns:
+            sandbox.call("step", {"episode_id": episode, "assistant_message": message})
+        return {"episode_id": episode, "turns": len(turns)}
 
     def _acquire(self, warm: _Warm, episode: str | None) -> tuple[int, _Slot]:
         """The slot for a call: the episode's own, else an idle one (a new one while under capacity)."""

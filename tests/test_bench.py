@@ -135,6 +135,10 @@ def test_envservers_bench_scales_servers_against_local(report: dict[str, Any]) -
         assert _number(p["rewards_per_s"]) and _number(p["speedup_vs_1"]) and _number(p["wait_vs_local"])
         assert p["served_by"] == p["servers"]  # every server scored a share of the batches
     assert "| env servers |" in report["_markdown"]
+    pipe = e["pipelining"]
+    for side in ("trainer", "standin"):
+        assert _number(pipe[side]["serial_wait_s"]) and _number(pipe[side]["pipelined_wait_s"])
+    assert _number(pipe["trainer_local_wait_s"]) and pipe["same_losses"] is True
 
 
 def test_metering_bench_loses_no_usage(report: dict[str, Any]) -> None:

@@ -32,16 +32,17 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from envsdk.errors import EnvSDKError, SandboxError
-from envsdk.graders import parse_tool_calls
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.generation import generate_turn as _generate
 from trainer.generation import stop_ids
 from trainer.spec import TrainerSpec
+from trainer.turns import assistant_message, assistant_turn_ids, suffix_ids, template_ids
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,10 @@ class EnvironmentSession:
         self.last_error: str | None = None
         self.env_wait_s = 0.0
         """Seconds spent waiting on environment calls since the last reset (``env_wait_s`` of a step)."""
+        self._threads: ThreadPoolExecutor | None = None
+        self._timing_paused = False
+        self.pipeline: Any = None
+        """On env servers, the :class:`trainer.pipeline.RewardPipeline` scoring groups as they generate."""
         logger.info("environment %s (%s) started: %s", self.name, self.kind, self.info)
 
     @property
@@ -102,6 +107,8 @@ class EnvironmentSession:
         return self.kind in MULTI_TURN_KINDS
 
     def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
         self.sandbox.close()
 
     # -- calls and failure accounting ------------------------------------------------------------
@@ -127,11 +134,12 @@ class EnvironmentSession:
                     raise SandboxError(exc.code, f"restart failed: {exc.message}") from None
             return call()
         except SandboxError as exc:
-            if exc.code == "servers_lost":
+            if exc.code in ("servers_lost", "package_refused"):
                 raise TrainerError("environment_error", f"environment {self.name}: {exc.message}") from None
             raise
         finally:
-            self.env_wait_s += time.monotonic() - started
+            if not self._timing_paused:
+                self.env_wait_s += time.monotonic() - started
 
     def _waited(self, log: Callable[[str, float], Any]) -> None:
         """Log the step's ``env_wait_s`` (and ``env_retries`` on env servers) and start counting again."""
@@ -166,7 +174,10 @@ class EnvironmentSession:
             payload = [_completion_payload(c) for c in completions]
             results: list[dict[str, Any]]
             try:
-                if self.uses_group_reward:
+                if self.pipeline is not None:
+                    results = self.pipeline.rewards(tasks, payload)
+                    _log(kwargs, "env_sent_early", self.pipeline.early_fraction)
+                elif self.uses_group_reward:
                     results = self._group_rewards(tasks, payload)
                 else:
                     items = [{"task": t, "completion": c} for t, c in zip(tasks, payload, strict=True)]
@@ -240,22 +251,25 @@ class EnvironmentSession:
         """Play one episode per task with the trainer's current policy; never raises for env failures."""
         tokenizer = trainer.processing_class
         episodes = [Episode(task=t) for t in tasks]
-        for ep in episodes:
+
+        def open_episode(ep: Episode) -> None:
             try:
                 opened = self._call("reset", {"task": ep.task})
                 ep.episode_id = str(opened["episode_id"])
                 ep.messages = list(opened.get("observation") or [])
                 if not ep.messages:
                     raise ValueError("reset returned no messages")
-                ep.prompt_ids = _template_ids(tokenizer, ep.messages, opened.get("tools") or None)
+                ep.prompt_ids = template_ids(tokenizer, ep.messages, opened.get("tools") or None)
                 ep.forced_tool_call = opened.get("forced_tool_call") or None
             except (SandboxError, ValueError, KeyError, TypeError) as exc:
                 ep.error = f"reset failed: {exc}"
                 ep.done = True
-                ep.prompt_ids = _template_ids(tokenizer, list(ep.task.get("messages") or []), None)
-                continue
+                ep.prompt_ids = template_ids(tokenizer, list(ep.task.get("messages") or []), None)
+                return
             if ep.forced_tool_call:
                 self._forced_turn(ep, opened.get("tools") or None, budget, tokenizer)
+
+        self._each(open_episode, episodes)
         for _ in range(self.max_turns):
             active = [ep for ep in episodes if not ep.done]
             if not active:
@@ -266,15 +280,31 @@ class EnvironmentSession:
                 [budget - len(ep.completion_ids) for ep in active],
                 temperature,
             )
-            for ep, ids in zip(active, generated, strict=True):
-                self._advance(ep, ids, budget, tokenizer)
+            turns = list(zip(active, generated, strict=True))
+            self._each(lambda turn: self._advance(turn[0], turn[1], budget, tokenizer), turns)
+        self._each(self._close_episode, [ep for ep in episodes if not ep.done and ep.episode_id is not None])
         for ep in episodes:
-            if not ep.done and ep.episode_id is not None:
-                self._close_episode(ep)
             if not ep.completion_ids:  # TRL needs at least one completion token
                 ep.completion_ids = [tokenizer.eos_token_id]
                 ep.env_mask = [0]
         return episodes
+
+    def _each(self, work: Callable[[Any], None], items: list[Any]) -> None:
+        """``work`` on each item: in turn in the trainer's own sandbox (one process), all at once on env
+        servers (each episode's calls go to its own server), where the wait counts once: the wall time."""
+        if not hasattr(self.sandbox, "call_many") or len(items) < 2:
+            for item in items:
+                work(item)
+            return
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=32, thread_name_prefix="episode")
+        started = time.monotonic()
+        self._timing_paused = True
+        try:
+            list(self._threads.map(work, items))
+        finally:
+            self._timing_paused = False
+            self.env_wait_s += time.monotonic() - started
 
     def _forced_turn(
         self, ep: Episode, tools: list[dict[str, Any]] | None, budget: int, tokenizer: Any
@@ -284,7 +314,7 @@ class EnvironmentSession:
 
         assert ep.forced_tool_call is not None
         assistant = forced_assistant_message(ep.forced_tool_call)
-        ids = _assistant_turn_ids(tokenizer, ep.messages, tools, ep.forced_tool_call)
+        ids = assistant_turn_ids(tokenizer, ep.messages, tools, ep.forced_tool_call)
         if len(ids) >= budget:  # no room for the call and an answer: let the model write the turn instead
             logger.warning("forced tool call of %d tokens does not fit a budget of %d", len(ids), budget)
             return
@@ -307,7 +337,7 @@ class EnvironmentSession:
         ep.turns += 1
         finished = bool(ids) and ids[-1] in stop_ids(tokenizer)
         if assistant is None:
-            assistant = _assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
+            assistant = assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
         ep.messages.append(assistant)
         if not finished:  # ran out of completion budget mid-turn: the episode is truncated
             ep.done = True
@@ -331,7 +361,7 @@ class EnvironmentSession:
         observation = list(step.get("observation") or [])
         if not observation:
             return
-        suffix = _suffix_ids(tokenizer, observation, assistant)
+        suffix = suffix_ids(tokenizer, observation, assistant)
         if len(ep.completion_ids) + len(suffix) >= budget:  # no room left for another model turn
             ep.done = True
             self._close_episode(ep)
@@ -393,76 +423,6 @@ def _log(kwargs: dict[str, Any], name: str, value: float) -> None:
     log_metric = kwargs.get("log_metric")
     if callable(log_metric):
         log_metric(name, value)
-
-
-def _template_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)
-
-
-def _assistant_turn_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, call: dict[str, Any]
-) -> list[int]:
-    """Tokens of an assistant turn making tool call ``call`` as the chat template renders it after the
-    generation prompt, up to and including its end-of-turn token."""
-    arguments = call.get("arguments") or {}
-    if isinstance(arguments, str):
-        arguments = json.loads(arguments or "{}")
-    turn = {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": arguments}}],
-    }
-    prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template([*messages, turn], tools=tools, tokenize=False)
-    if not full.startswith(prompt):
-        raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
-    ids = list(tokenizer.encode(full[len(prompt) :], add_special_tokens=False))
-    stops = stop_ids(tokenizer)
-    end = next((i for i, t in enumerate(ids) if t in stops), len(ids) - 1)
-    return ids[: end + 1]
-
-
-def _assistant_message(text: str, turn: int) -> dict[str, Any]:
-    """The model's turn as an OpenAI assistant message (``<tool_call>`` blocks become ``tool_calls``)."""
-    for token in ("<|im_end|>", "<|endoftext|>"):
-        text = text.replace(token, "")
-    calls = parse_tool_calls(text)
-    content = text.split("<tool_call>", 1)[0].strip() if calls else text.strip()
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [{"id": f"call_{turn}_{i}", **call} for i, call in enumerate(calls)]
-    return message
-
-
-def _suffix_ids(tokenizer: Any, observation: list[dict[str, Any]], assistant: dict[str, Any]) -> list[int]:
-    """Tokens of the environment's messages plus the next generation prompt, rendered by the chat template
-    after a finished assistant turn (the turn's own end-of-turn token is already in the completion)."""
-    dummy_assistant: dict[str, Any] = {"role": "assistant", "content": "x"}
-    if any(m.get("role") == "tool" for m in observation):
-        calls = assistant.get("tool_calls") or [
-            {"type": "function", "function": {"name": "f", "arguments": "{}"}}
-        ]
-        dummy_assistant["tool_calls"] = [
-            {"type": "function", "function": {"name": c["function"]["name"], "arguments": {}}} for c in calls
-        ]
-    dummy = [{"role": "user", "content": "x"}, dummy_assistant]
-    prefix = list(tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False))
-    full = list(
-        tokenizer.apply_chat_template(
-            dummy + observation, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
-    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if eos:
-        prefix = prefix[: eos[-1] + 1]
-    if full[: len(prefix)] != prefix:
-        raise TrainerError("environment_error", "the chat template does not keep earlier turns as a prefix")
-    return full[len(prefix) :]
 
 
 def environment_trainer_class() -> type:

@@ -232,6 +232,10 @@ def _build_trainer(
 
         trainer_cls = environment_trainer_class()
         rollout["rollout_func"] = session.rollout_func(hp.max_completion_length, hp.temperature)
+    elif session is not None and session.pipeline is not None:  # on env servers: rewards during generation
+        from trainer.pipeline import pipelined_trainer_class
+
+        trainer_cls = pipelined_trainer_class(session.pipeline)
     return trainer_cls(
         model=model,
         reward_funcs=reward_funcs,
@@ -267,6 +271,10 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
             from trainer.environment import EnvironmentSession
 
             session = EnvironmentSession(spec)  # a package that does not start fails before the model loads
+            if not session.multi_turn and hasattr(session.sandbox, "submit_reward_batch"):
+                from trainer.pipeline import RewardPipeline
+
+                session.pipeline = RewardPipeline(session)  # env servers: scored while generating
             events.message(
                 f"Environment {session.name} ({session.kind}) started in its sandbox "
                 f"({session.sandbox.backend})"

@@ -155,6 +155,7 @@ def test_rewards_are_computed_on_the_env_servers(
     steps = metrics(tenant, job_id)
     for data in steps:
         assert data["episode_failures"] == 0 and data["env_wait_s"] >= 0.0 and data["env_retries"] == 0
+        assert 0.0 <= data["env_sent_early"] <= 1.0  # scored while generating: the job's trainer pipelines
     no_duplicated_events(tenant, job_id)
 
 
