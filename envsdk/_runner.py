@@ -130,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if method == "init":
                 host = EnvHost.from_entrypoint(
-                    params["entrypoint"], params.get("config"), max_turns=params.get("max_turns")
+                    params["entrypoint"],
+                    params.get("config"),
+                    max_turns=params.get("max_turns"),
+                    format=params.get("format") or "envsdk",
+                    options=params.get("format_options"),
                 )
                 method, params = "describe", {}
             if host is None:

@@ -100,6 +100,9 @@ class MultiTurnEnv(Environment):
     kind: ClassVar[str] = "multi_turn"
     max_turns: ClassVar[int] = 8
     """Most assistant turns in one episode (the package's ``[limits] max_turns`` may lower it)."""
+    scores_truncated: ClassVar[bool] = False
+    """Whether a turn cut off by the completion budget is still stepped (and so scored when it ends the
+    episode). False: a truncated episode ends unscored, with reward 0."""
 
     def reset(self, task: dict[str, Any]) -> list[Message] | Awaitable[list[Message]]:
         """Start the episode for ``task``; return the first observation. Default: the task's messages."""

@@ -78,9 +78,22 @@ class RemoteError(Exception):
 
 def load_entrypoint(entrypoint: str) -> type[Environment]:
     """Import ``module:Class`` and check it is an :class:`Environment` subclass."""
-    module_name, sep, attr = entrypoint.partition(":")
+    obj = import_object(entrypoint)
+    if not (isinstance(obj, type) and issubclass(obj, Environment)):
+        raise RemoteError(
+            "entrypoint_error",
+            f"{entrypoint} is not a SingleTurnEnv, MultiTurnEnv or ToolEnv subclass",
+        )
+    if obj in (Environment, SingleTurnEnv, MultiTurnEnv, ToolEnv):
+        raise RemoteError("entrypoint_error", f"{entrypoint} is a base class; subclass it")
+    return obj
+
+
+def import_object(path: str) -> Any:
+    """The object that ``module:name`` (``name`` may be dotted) names."""
+    module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise RemoteError("entrypoint_error", f"entrypoint must look like 'module:Class', got {entrypoint!r}")
+        raise RemoteError("entrypoint_error", f"expected 'module:name', got {path!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
@@ -90,14 +103,24 @@ def load_entrypoint(entrypoint: str) -> type[Environment]:
         if not hasattr(obj, part):
             raise RemoteError("entrypoint_error", f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not (isinstance(obj, type) and issubclass(obj, Environment)):
-        raise RemoteError(
-            "entrypoint_error",
-            f"{entrypoint} is not a SingleTurnEnv, MultiTurnEnv or ToolEnv subclass",
-        )
-    if obj in (Environment, SingleTurnEnv, MultiTurnEnv, ToolEnv):
-        raise RemoteError("entrypoint_error", f"{entrypoint} is a base class; subclass it")
     return obj
+
+
+def load_format(format: str, entrypoint: str, options: dict[str, Any] | None) -> type[Environment]:
+    """The environment class that plays ``entrypoint``, written for framework ``format``."""
+    options = options or {}
+    if format == "trl":
+        from envsdk.formats.trl import trl_environment
+
+        funcs: list[Any] = []
+        for path in options.get("reward_funcs") or []:
+            found = import_object(path)
+            funcs.extend(found if isinstance(found, list | tuple) else [found])
+        try:
+            return trl_environment(import_object(entrypoint), funcs)
+        except TypeError as exc:
+            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
+    raise RemoteError("entrypoint_error", f"unknown environment format {format!r}")
 
 
 def overrides_group_reward(env_cls: type[Environment]) -> bool:
@@ -130,9 +153,21 @@ class EnvHost:
 
     @classmethod
     def from_entrypoint(
-        cls, entrypoint: str, config: dict[str, Any] | None = None, *, max_turns: int | None = None
+        cls,
+        entrypoint: str,
+        config: dict[str, Any] | None = None,
+        *,
+        max_turns: int | None = None,
+        format: str = "envsdk",
+        options: dict[str, Any] | None = None,
     ) -> EnvHost:
-        return cls(load_entrypoint(entrypoint), config, entrypoint=entrypoint, max_turns=max_turns)
+        """The host of the package's environment: an envsdk class, or, for another framework's
+        ``format``, its entrypoint played through that format's adapter (:mod:`envsdk.formats`)."""
+        if format == "envsdk":
+            env_cls = load_entrypoint(entrypoint)
+        else:
+            env_cls = load_format(format, entrypoint, options)
+        return cls(env_cls, config, entrypoint=entrypoint, max_turns=max_turns)
 
     @property
     def shared(self) -> Environment:
@@ -155,6 +190,7 @@ class EnvHost:
             "tools": await self.rpc_tools(),
             "max_turns": self.max_turns if issubclass(self.env_cls, MultiTurnEnv) else None,
             "group_reward": overrides_group_reward(self.env_cls),
+            "scores_truncated": bool(getattr(self.env_cls, "scores_truncated", False)),
         }
 
     async def rpc_tasks(self) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ import logging
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -127,6 +127,15 @@ class Maxima:
         return cls(**(data or {}))
 
 
+class TRLOptions(BaseModel):
+    """``[trl]``: how to find what ``GRPOTrainer`` would be given besides ``environment_factory``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward_funcs: list[str] = Field(default_factory=list, max_length=32)
+    """``module:name`` of each reward function, or of a list of them (``reward_funcs``' own shapes)."""
+
+
 class Manifest(BaseModel):
     """The parsed ``environment.toml``."""
 
@@ -148,6 +157,22 @@ class Manifest(BaseModel):
     """Packages the environment imports, each pinned with ``==`` (``"sympy==1.14.0"``): installed into a
     venv built outside the sandbox (from the registry, or from the package's ``wheels/`` folder) and mounted
     read-only into it (:mod:`envsdk.venvs`)."""
+
+    requirements_exact: bool = False
+    """The requirements are the whole set the environment imports (a lock, every dependency pinned too):
+    installed as listed, with none of their own dependencies added (``pip --no-deps``). For frameworks whose
+    declared dependencies reach far beyond what an environment imports."""
+    format: Literal["envsdk", "trl"] = "envsdk"
+    """The framework the environment is written for: ``envsdk`` (the entrypoint is an envsdk class) or
+    ``trl`` (the entrypoint is TRL's ``environment_factory``; ``[trl]`` names its ``reward_funcs``). Its
+    code runs unchanged through an adapter (:mod:`envsdk.formats`)."""
+    trl: TRLOptions | None = None
+    """``[trl]``: options of the ``trl`` format."""
+
+    def format_options(self) -> dict[str, Any]:
+        """The options of the package's format, as the sandboxed host receives them."""
+        table = getattr(self, self.format, None) if self.format != "envsdk" else None
+        return table.model_dump() if table is not None else {}
 
     @field_validator("requirements")
     @classmethod

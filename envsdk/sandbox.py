@@ -205,7 +205,13 @@ class Sandbox:
             self.close()
             raise SandboxError("start_failed", f"cannot start the sandbox: {exc}") from exc
         threading.Thread(target=self._read_stderr, args=(self._proc,), daemon=True).start()
-        params = {"entrypoint": self.entrypoint, "config": self.config, "max_turns": self.limits.max_turns}
+        params = {
+            "entrypoint": self.entrypoint,
+            "config": self.config,
+            "max_turns": self.limits.max_turns,
+            "format": self.manifest.format,
+            "format_options": self.manifest.format_options(),
+        }
         try:
             self.info = self.call("init", params, timeout=self.limits.startup_timeout_s)
         except SandboxError as exc:
@@ -226,7 +232,8 @@ class Sandbox:
         cached: by this sandbox's ``venvs`` builder, else :func:`~envsdk.venvs.default_builder`. Raises
         :class:`~envsdk.venvs.RequirementsError` (a :class:`~envsdk.errors.PackageError`)."""
         builder = self.venvs or default_builder()
-        return builder.ensure(self.manifest.requirements, self.package_dir / WHEELS_DIR)
+        exact = self.manifest.requirements_exact
+        return builder.ensure(self.manifest.requirements, self.package_dir / WHEELS_DIR, exact=exact)
 
     def close(self) -> None:
         """Kill the process group, and every process left of the sandbox's uid, and remove its host

@@ -82,11 +82,13 @@ def wheel_digests(wheels_dir: Path | None) -> dict[str, str]:
     }
 
 
-def venv_key(requirements: list[str], wheels: dict[str, str] | None = None) -> str:
+def venv_key(requirements: list[str], wheels: dict[str, str] | None = None, *, exact: bool = False) -> str:
     """The cache key of a normalised requirement set: a hash of it, the Python version and the platform
-    (and of the shipped wheels' digests, when there are any)."""
+    (and of the shipped wheels' digests, when there are any, and of ``exact``: installed without
+    dependencies)."""
     identity = {
         "requirements": sorted(requirements),
+        **({"exact": True} if exact else {}),
         "python": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}",
         "platform": sysconfig.get_platform(),
         "wheels": dict(sorted((wheels or {}).items())),
@@ -138,15 +140,18 @@ class VenvBuilder:
     def path_for(self, key: str) -> Path:
         return Path(self.root) / key
 
-    def ensure(self, requirements: Iterable[str], wheels_dir: Path | None = None) -> Path | None:
+    def ensure(
+        self, requirements: Iterable[str], wheels_dir: Path | None = None, *, exact: bool = False
+    ) -> Path | None:
         """The venv of ``requirements`` (with the wheels in ``wheels_dir``, when it holds any): built now
-        unless it is in the cache. ``None`` for no requirements. Blocking; raises
-        :class:`RequirementsError`."""
+        unless it is in the cache. ``None`` for no requirements. With ``exact``, the requirements are the
+        whole set (a lock): installed as listed, none of their own dependencies added (``pip --no-deps``).
+        Blocking; raises :class:`RequirementsError`."""
         normalised = normalise_requirements(requirements)
         if not normalised:
             return None
         wheels = wheel_digests(wheels_dir)
-        key = venv_key(normalised, wheels)
+        key = venv_key(normalised, wheels, exact=exact)
         final = self.path_for(key)
         if (final / READY).is_file():
             return final
@@ -154,7 +159,7 @@ class VenvBuilder:
             if (final / READY).is_file():  # built by another thread or process while this one waited
                 return final
             self._remove_leftovers(key, final)
-            self._build(key, normalised, wheels_dir if wheels else None, final)
+            self._build(key, normalised, wheels_dir if wheels else None, final, exact=exact)
         return final
 
     @contextlib.contextmanager
@@ -175,7 +180,9 @@ class VenvBuilder:
         if final.exists():  # no READY marker: incomplete
             shutil.rmtree(final, ignore_errors=True)
 
-    def _build(self, key: str, requirements: list[str], wheels_dir: Path | None, final: Path) -> None:
+    def _build(
+        self, key: str, requirements: list[str], wheels_dir: Path | None, final: Path, *, exact: bool = False
+    ) -> None:
         started = time.monotonic()
         temp = Path(tempfile.mkdtemp(prefix=f"{BUILD_PREFIX}{key}-", dir=self.root))
         try:
@@ -187,6 +194,8 @@ class VenvBuilder:
             pip += ["--no-input", "--disable-pip-version-check", "--only-binary=:all:"]
             if wheels_dir is not None:
                 pip += ["--no-index", "--find-links", str(wheels_dir)]
+            if exact:
+                pip.append("--no-deps")
             self._run([*pip, *self.pip_args, *requirements], "build the requirements", temp, deadline)
             size = tree_bytes(temp)
             if size > self.max_bytes:

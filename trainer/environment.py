@@ -91,6 +91,9 @@ class EnvironmentSession:
         turns = [t for t in (self.info.get("max_turns"), self.sandbox.limits.max_turns) if isinstance(t, int)]
         self.max_turns = max(1, min(turns)) if turns else 8
         self.uses_group_reward = bool(self.info.get("group_reward"))
+        self.scores_truncated = bool(self.info.get("scores_truncated"))
+        """A turn cut off by the completion budget is stepped all the same (the environment's format scores
+        every completion, as TRL does); else the episode ends there, unscored."""
         self.name = self.sandbox.manifest.name
         self._failed_batches = 0
         self.last_error: str | None = None
@@ -339,10 +342,13 @@ class EnvironmentSession:
         if assistant is None:
             assistant = assistant_message(tokenizer.decode(ids, skip_special_tokens=False), ep.turns)
         ep.messages.append(assistant)
-        if not finished:  # ran out of completion budget mid-turn: the episode is truncated
-            ep.done = True
-            self._close_episode(ep)
-            return
+        if not finished:  # out of completion budget mid-turn: the episode is truncated
+            if not self.scores_truncated:
+                ep.done = True
+                self._close_episode(ep)
+                return
+            # its last turn ends the episode and is scored (a cut-off tool call is not run)
+            ep.messages[-1] = assistant = {k: v for k, v in assistant.items() if k != "tool_calls"}
         try:
             step = self._call("step", {"episode_id": ep.episode_id, "assistant_message": assistant})
         except SandboxError as exc:

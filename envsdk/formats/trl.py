@@ -74,6 +74,8 @@ def trl_environment(
             raise TypeError(f"reward function {func!r} is not callable")
 
     class TRLEnvironment(ToolEnv):
+        scores_truncated = True  # TRL scores every completion, a truncated one too
+
         def __init__(self, config: dict[str, Any] | None = None) -> None:
             super().__init__(config)
             self.env: Any = factory()

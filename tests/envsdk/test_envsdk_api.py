@@ -126,6 +126,7 @@ def test_multi_turn_episode_state_per_instance_and_max_turns():
             "tools": [],
             "max_turns": 3,
             "group_reward": False,
+            "scores_truncated": False,
         }
         a = runner.call("reset", {"task": {}})
         b = runner.call("reset", {"task": {}})

@@ -75,7 +75,7 @@ def test_a_trl_environment_plays_and_is_scored_as_trl_scores_it() -> None:
     SEEN.clear()
     runner = InProcessRunner(trl_environment(Calculator, [exact_answer, not_for_me]))
     described = runner.describe()
-    assert described["kind"] == "tool"
+    assert described["kind"] == "tool" and described["scores_truncated"]  # as TRL, which scores them all
     (schema,) = described["tools"]
     assert schema["function"]["name"] == "multiply"
     assert schema["function"]["description"] == "Multiply two integers."

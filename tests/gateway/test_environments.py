@@ -93,7 +93,7 @@ def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Resp
     )
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "guess_number", "calculator"])
+@pytest.mark.parametrize("name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic"])
 def test_example_environment_job_succeeds(
     stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path, name: str
 ) -> None:
@@ -108,7 +108,8 @@ def test_example_environment_job_succeeds(
     steps = metrics(tenant, job.id)
     assert [d["step"] for d in steps] == [1, 2, 3]
     for data in steps:
-        assert 0.0 <= data["reward_mean"] <= 1.0 and "rewards/environment" in data
+        most = 2.0 if name == "trl_arithmetic" else 1.0  # two reward functions, each at most 1
+        assert 0.0 <= data["reward_mean"] <= most and "rewards/environment" in data
         assert data["episode_failures"] == 0
         if name == "arithmetic":
             assert "turns_mean" not in data
@@ -118,6 +119,9 @@ def test_example_environment_job_succeeds(
             # namespace, none of the worker's TUNEGATE_* settings such as the database URL visible)
             assert data["tool_calls_mean"] >= 1.0 and data["tools/calls"] >= 1.0
             assert data["tools/sandboxed_fraction"] == 1.0
+        if name == "trl_arithmetic":  # written for TRL: its reward functions, one of them TRL's own
+            # (trl.rewards.think_format_reward, from trl installed in the package's venv), each scored
+            assert {"reward/correct_answer", "reward/think_format_reward"} <= set(data), sorted(data.items())
 
 
 def test_environment_run_scores_and_runs_tools_in_the_sandbox(
