@@ -29,6 +29,7 @@ from gateway.limits.guard import Guard
 from gateway.limits.router import router as limits_router
 from gateway.middleware import Metrics, RequestContextMiddleware
 from gateway.models.router import router as models_router
+from gateway.notices import Notices
 from gateway.offload import Offload
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
@@ -38,6 +39,7 @@ from gateway.serving.targets import ModelCache
 from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
+from gateway.tinker import store as tinker_store
 from gateway.tinker.router import router as tinker_router
 from gateway.usage.buffer import UsageBuffer
 from gateway.usage.metrics import UsageCollector
@@ -96,6 +98,7 @@ def create_app(settings: Settings) -> FastAPI:
             guard=Guard(settings, pool, Buckets(limits_redis) if limits_redis is not None else None),
             offload=Offload(settings),
             started_at=int(time.time()),
+            notices=Notices(settings.database_url, (tinker_store.ANSWER_CHANNEL,)),
         )
         res.usage.start(pool)
         usage_metrics = UsageCollector(res.usage)
@@ -118,6 +121,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await limits_redis.aclose()
             if queue is not None:
                 await queue.aclose()
+            await res.notices.aclose()
             await pool.close()
             await asyncio.to_thread(res.offload.close)
 

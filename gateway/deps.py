@@ -13,6 +13,7 @@ from fastapi import Depends, Header, Request
 from gateway.blobstore import BlobStore
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.limits.guard import Guard
+from gateway.notices import Notices
 from gateway.offload import Offload
 from gateway.serving.engines import Engines
 from gateway.serving.targets import ModelCache
@@ -44,6 +45,8 @@ class Resources:
     """Sandbox slots and the CPU pool, with each organisation's share (`gateway.offload`)."""
     started_at: int
     """When this gateway started (unix seconds): the `created` of base models."""
+    notices: Notices
+    """Wake-ups from PostgreSQL (`gateway.notices`): answered Tinker requests."""
 
 
 async def get_resources(request: Request) -> Resources:

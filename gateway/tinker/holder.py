@@ -29,6 +29,7 @@ import asyncpg
 import orjson
 
 from gateway.blobstore import BlobStore
+from gateway.notices import Notices
 from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.tinker import store, wire
@@ -39,8 +40,8 @@ from gateway.worker.job.process import die_with_parent, trainer_env
 
 logger = logging.getLogger(__name__)
 
-POLL_MIN_S = 0.01
-POLL_MAX_S = 0.2
+RECHECK_S = 1.0
+"""Longest an idle holder goes without reading its model's requests (between wake-ups)."""
 
 
 class ProcessDied(Exception):
@@ -115,6 +116,7 @@ class Holder:
         self.pool: asyncpg.Pool = ctx["pool"]
         self.blobs: BlobStore = ctx["blobs"]
         self.worker_id: str = ctx["worker_id"]
+        self.notices: Notices = ctx["notices"]
         self.workdir = self.blobs.root / "work" / "tinker" / self.model_id.replace(":", "_")
         self.process = TrainingProcess(self.workdir, device)
 
@@ -157,15 +159,17 @@ class Holder:
 
     async def _serve(self) -> str:
         idle_since = time.monotonic()
-        wait = POLL_MIN_S
         while True:
-            req = await store.next_request(self.pool, model_id=self.model_id)
+            with self.notices.watching(store.REQUEST_CHANNEL, self.model_id) as queued:  # before the read
+                req = await store.next_request(self.pool, model_id=self.model_id)
+                idle = req is None and time.monotonic() - idle_since >= self.settings.tinker_idle_timeout_s
+                if req is None and not idle:
+                    if not await store.session_finished(self.pool, model_id=self.model_id):
+                        # woken by the next request; reads again at least every RECHECK_S (a finished
+                        # session, a lost notice)
+                        await self.notices.wait(queued, RECHECK_S)
+                        continue
             if req is None:
-                idle = time.monotonic() - idle_since >= self.settings.tinker_idle_timeout_s
-                if not idle and not await store.session_finished(self.pool, model_id=self.model_id):
-                    await asyncio.sleep(wait)
-                    wait = min(wait * 2, POLL_MAX_S)
-                    continue
                 key = checkpoint_key(self.org_id, self.model_id, "idle", "resume")
                 saved = await self._save("save_state", key, optimizer=True)
                 if await store.release(
@@ -173,7 +177,6 @@ class Holder:
                 ):
                     return "idle"
                 continue
-            wait = POLL_MIN_S
             idle_since = time.monotonic()
             await self._answer(req)
 

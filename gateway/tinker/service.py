@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 LONG_POLL_S = 10.0
 """Longest a `retrieve_future` waits for its request before answering `try_again`."""
+RECHECK_S = 1.0
+"""Longest a waiting `retrieve_future` goes without reading its request (between wake-ups)."""
 SAMPLE_TIMEOUT_S = 300.0
 
 
@@ -387,9 +389,14 @@ def _sequence(choice: dict[str, Any]) -> dict[str, Any]:
 async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[bytes, str]:
     """`(body, media type)` of a finished request; a long poll, then `try_again`."""
     deadline = time.monotonic() + LONG_POLL_S
-    wait = 0.01
     while True:
-        row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
+        with res.notices.watching(store.ANSWER_CHANNEL, request_id) as answered:  # before the read
+            row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
+            left = deadline - time.monotonic()
+            if row is not None and row.status not in ("done", "failed") and left > 0:
+                # woken when it is answered; read again at least every RECHECK_S (a lost holder or notice)
+                await res.notices.wait(answered, min(left, RECHECK_S))
+                row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
         if row is None:
             raise not_found("future", request_id, param="request_id")
         if row.status == "done":
@@ -410,8 +417,6 @@ async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[byt
         if time.monotonic() >= deadline:
             body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             return orjson.dumps(body), "application/json"
-        await asyncio.sleep(wait)
-        wait = min(wait * 2, 0.2)
 
 
 async def _holder_lost(res: Resources, model_id: str) -> bool:

@@ -105,19 +105,27 @@ async def list_models(
 
 
 # ---------------------------------------------------------------------------------------------- requests
+REQUEST_CHANNEL = "tinker_request"
+"""Notified with a model's id when a request of it is queued (its holder wakes, `gateway.notices`)."""
+ANSWER_CHANNEL = "tinker_answer"
+"""Notified with a request's id when it is answered (its `retrieve_future` wakes)."""
 INSERT_REQUEST = """
 INSERT INTO tinker_requests (id, organization_id, model_id, kind, payload) VALUES ($1, $2, $3, $4, $5)"""
-TOUCH_MODEL = "UPDATE tinker_models SET last_request_at = now() WHERE id = $1"
+TOUCH_MODEL = f"""
+WITH touched AS (UPDATE tinker_models SET last_request_at = now() WHERE id = $1 RETURNING id)
+SELECT pg_notify('{REQUEST_CHANNEL}', id) FROM touched"""
 HOLDER = """
 SELECT worker_id, (heartbeat_at > now() - make_interval(secs => $2)) AS alive, lost
 FROM tinker_models WHERE id = $1"""
 GET_REQUEST = """
 SELECT *, extract(epoch FROM now() - created_at)::float8 AS age_s FROM tinker_requests
 WHERE id = $1 AND organization_id = $2"""
-FINISH = """
-UPDATE tinker_requests SET status = $2, result = $3, result_type = $4, error = $5, category = $6,
-       finished_at = now(), payload = '{}'  -- a request's data is of no use once it is answered
-WHERE id = $1 AND status IN ('pending', 'running')"""
+FINISH = f"""
+WITH answered AS (
+    UPDATE tinker_requests SET status = $2, result = $3, result_type = $4, error = $5, category = $6,
+           finished_at = now(), payload = '{{}}'  -- a request's data is of no use once it is answered
+    WHERE id = $1 AND status IN ('pending', 'running') RETURNING id)
+SELECT pg_notify('{ANSWER_CHANNEL}', id) FROM answered"""
 FORGET_FINISHED = """
 DELETE FROM tinker_requests WHERE id IN (
     SELECT id FROM tinker_requests

@@ -26,6 +26,7 @@ from gateway.ids import new_id
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets, make_limits_redis
+from gateway.notices import Notices
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
 from gateway.tinker import store as tinker_store
@@ -48,6 +49,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     await migrate(settings.database_url)
     ctx["pool"] = await create_pool(settings.database_url, min_size=1, max_size=4)
     ctx["blobs"] = BlobStore(settings.blob_dir)
+    ctx["notices"] = Notices(settings.database_url, (tinker_store.REQUEST_CHANNEL,))
     await asyncio.to_thread(remove_stale_dirs)  # sandbox dirs a killed worker left behind
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
     await store.announce(
@@ -84,6 +86,9 @@ async def shutdown(ctx: dict[str, Any]) -> None:
     spend: Buckets | None = ctx.get("spend")
     if spend is not None:
         await spend.redis.aclose()
+    notices: Notices | None = ctx.get("notices")
+    if notices is not None:
+        await notices.aclose()
     pool: asyncpg.Pool | None = ctx.get("pool")
     if pool is not None:
         with contextlib.suppress(OSError, asyncpg.PostgresError):
