@@ -86,6 +86,21 @@ def start_servers(services: Services, tmp_path: Path, pool: str, sandbox_backend
             server.kill()
 
 
+def write_package(root: Path, name: str, code: str) -> Path:
+    """A package `name` under `root` whose `env.py` is `code` (entrypoint `env:Env`)."""
+    package = root / name
+    package.mkdir()
+    (package / "environment.toml").write_text(f'name = "{name}"\nversion = "0.1.0"\nentrypoint = "env:Env"\n')
+    (package / "env.py").write_text(code)
+    return package
+
+
+def trainer_uses_pool(monkeypatch: pytest.MonkeyPatch, services: Services, pool: str) -> None:
+    """What a worker tells an environment job's trainer: the env servers' Redis and pool name."""
+    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
+    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+
+
 def guess_task() -> dict[str, Any]:
     return json.loads((EXAMPLES / "guess_number" / "tasks.jsonl").read_text().splitlines()[0])
 
@@ -170,13 +185,9 @@ def test_a_package_that_keeps_crashing_servers_is_refused_across_jobs(
     tiny_model_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    package = tmp_path / "slow"
-    package.mkdir()
-    (package / "environment.toml").write_text('name = "slow"\nversion = "0.1.0"\nentrypoint = "env:Env"\n')
-    (package / "env.py").write_text(SLOW)
+    package = write_package(tmp_path, "slow", SLOW)
     servers = start_servers(3, capacity=1)
-    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
-    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+    trainer_uses_pool(monkeypatch, services, pool)
     from trainer.environment import EnvironmentSession
 
     environment = {"package_dir": str(package), "config": {}}
@@ -262,8 +273,7 @@ def test_rewards_are_scored_while_the_batch_generates_each_once(
     from trainer.pipeline import RewardPipeline
 
     start_servers(2)
-    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
-    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+    trainer_uses_pool(monkeypatch, services, pool)
     rows = [
         json.loads(line) for line in (EXAMPLES / "arithmetic" / "tasks.jsonl").read_text().splitlines()[:4]
     ]
@@ -359,13 +369,9 @@ def test_a_batch_s_multi_turn_episodes_step_at_once_across_servers(
 ) -> None:
     from trainer.environment import EnvironmentSession
 
-    package = tmp_path / "turns"
-    package.mkdir()
-    (package / "environment.toml").write_text('name = "turns"\nversion = "0.1.0"\nentrypoint = "env:Env"\n')
-    (package / "env.py").write_text(TURNS)
+    package = write_package(tmp_path, "turns", TURNS)
     servers = start_servers(2)
-    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
-    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+    trainer_uses_pool(monkeypatch, services, pool)
     rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(4)]
     environment = {"package_dir": str(package), "config": {}}
     spec = read_spec(
