@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "bench.envservers",
         "Env servers: reward throughput with 1, 2, 4 servers; step wait vs local",
     ),
+    "formats": ("bench.formats", "Environment formats: episodes per second through an adapter vs native"),
     "metering": ("bench.metering", "Metering: usage rows per second sustained, none lost"),
     "stalls": ("bench.stalls", "Stalls: one tenant's chat p99 while another sends the worst inputs"),
     "distributed": ("bench.distributed", "Distributed: two training processes (DDP) against one"),

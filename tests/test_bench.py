@@ -126,6 +126,14 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
         assert _number(p["sandbox_vs_in_process"]) and p["same_rewards"] is True
 
 
+def test_formats_bench_compares_an_adapter_with_native(report: dict[str, Any]) -> None:
+    f = report["benches"]["formats"]
+    assert "error" not in f, f.get("traceback")
+    assert f["sides"]["native"]["episodes"] > 0 and f["sides"]["trl"]["episodes"] > 0
+    assert _number(f["trl_vs_native"]) and f["same_rewards"] is True
+    assert "vs native" in report["_markdown"]
+
+
 def test_envservers_bench_scales_servers_against_local(report: dict[str, Any]) -> None:
     e = report["benches"]["envservers"]
     assert "error" not in e, e.get("traceback")
