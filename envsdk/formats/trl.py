@@ -15,6 +15,8 @@ This module is stdlib-only: it runs inside the sandbox.
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,16 +33,24 @@ PROMPT_KEYS = frozenset({"messages", "prompt"})
 RewardFunc = Callable[..., Any]
 
 
+@functools.cache
+def _tool_names(cls: Any) -> tuple[str, ...]:
+    """The names of a TRL environment class's tools: its public methods other than `reset`, `get_reward`."""
+    return tuple(
+        name
+        for name in dir(cls)
+        if not name.startswith("_") and name not in RESERVED and inspect.isfunction(getattr(cls, name, None))
+    )
+
+
+@functools.cache
+def _tool_schemas(cls: Any) -> tuple[dict[str, Any], ...]:
+    return tuple(tool_schema(getattr(cls, name), name) for name in _tool_names(cls))
+
+
 def tool_methods(env: Any) -> dict[str, Callable[..., Any]]:
-    """The tools of a TRL environment instance: its public methods other than `reset` and `get_reward`."""
-    found: dict[str, Callable[..., Any]] = {}
-    for name in dir(type(env)):
-        if name.startswith("_") or name in RESERVED:
-            continue
-        member = getattr(env, name, None)
-        if inspect.ismethod(member) or inspect.isfunction(member):
-            found[name] = member
-    return found
+    """The tools of a TRL environment instance, bound to it."""
+    return {name: getattr(env, name) for name in _tool_names(env.__class__)}
 
 
 def _columns(task: dict[str, Any]) -> dict[str, Any]:
@@ -89,7 +99,7 @@ def trl_environment(
             return tool_methods(self.env)
 
         def tool_schemas(self) -> list[dict[str, Any]]:
-            return [tool_schema(fn, name) for name, fn in self._tools().items()]
+            return [copy.deepcopy(schema) for schema in _tool_schemas(self.env.__class__)]
 
         async def reset(self, task: dict[str, Any]) -> list[Message]:
             self.task = task
