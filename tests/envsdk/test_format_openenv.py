@@ -40,7 +40,7 @@ def scripted(*turns: dict[str, Any]) -> Any:
 def test_an_openenv_server_plays_episodes_in_the_sandbox() -> None:
     with Sandbox(EXAMPLE) as sandbox:
         described = sandbox.describe()
-        assert described["kind"] == "tool" and described["max_turns"] == 3
+        assert described["kind"] == "tool" and described["max_turns"] == 3 and described["scores_truncated"]
         (tool,) = described["tools"]  # the Action's schema from the server's /schema, less its metadata
         assert tool["function"]["name"] == "guess"
         parameters = tool["function"]["parameters"]
