@@ -12,10 +12,19 @@ from typing import Any
 import pytest
 
 from envsdk.rollout import run_episode
-from envsdk.sandbox import Sandbox
+from envsdk.sandbox import Sandbox, probe_backend
 from envsdk.types import StopReason
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "openenv_guess"
+
+
+@pytest.fixture(params=["bwrap", "unshare"])
+def backend(request: pytest.FixtureRequest) -> str:
+    if not probe_backend(request.param):
+        pytest.skip(f"the {request.param} backend does not work here")
+    return str(request.param)
+
+
 TASK = {"messages": [{"role": "user", "content": "Guess my number."}], "target": 7}
 
 
@@ -37,8 +46,8 @@ def scripted(*turns: dict[str, Any]) -> Any:
     return policy
 
 
-def test_an_openenv_server_plays_episodes_in_the_sandbox() -> None:
-    with Sandbox(EXAMPLE) as sandbox:
+def test_an_openenv_server_plays_episodes_in_the_sandbox(backend: str) -> None:
+    with Sandbox(EXAMPLE, backend=backend) as sandbox:
         described = sandbox.describe()
         assert described["kind"] == "tool" and described["max_turns"] == 3 and described["scores_truncated"]
         (tool,) = described["tools"]  # the Action's schema from the server's /schema, less its metadata
@@ -125,7 +134,7 @@ app = create_app(ProbeEnvironment, ConnectAction, ConnectObservation, env_name="
 """
 
 
-def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path) -> None:
+def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path, backend: str) -> None:
     package = tmp_path / "probe"
     (package / "server").mkdir(parents=True)
     (package / "server" / "__init__.py").write_text("")
@@ -135,11 +144,12 @@ def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path) -> None:
     (package / "environment.toml").write_text(
         manifest.replace('tool_name = "guess"', 'tool_name = "connect"')
     )
-    with socket.socket() as listener, Sandbox(package) as sandbox:
+    with socket.socket() as listener, Sandbox(package, backend=backend) as sandbox:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
         result = run_episode(sandbox, {"prompt": "connect"}, scripted(call("connect", {"port": port}, "c1")))
         assert result.reward == 1.0, result.error  # the step ran on the sandboxed server...
         outcome = json.loads(result.messages[-1]["content"])["outcome"]
-        assert outcome in {"ConnectionRefusedError", "OSError"}  # ...whose loopback is not the host's
+        # ...whose loopback (bubblewrap brings one up; unshare's stays down) is not the host's
+        assert outcome in {"ConnectionRefusedError", "OSError"}
