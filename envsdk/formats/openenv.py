@@ -20,7 +20,7 @@ JSON. A reply without a tool call is an Action too when it is a JSON object, or,
 reset observation is appended to the task's last user message; the task's other columns go to
 `reset(**data)` (OpenEnv passes those the environment's `reset` accepts). A step's reward is the
 observation's `reward` (None is 0); the episode's reward is the sum. A reply cut off by the completion
-budget is still stepped (as text; its cut-off tool call is not run), as TRL's OpenEnv rollouts step every
+budget is still stepped (as text; its cut-off tool call is not run), as TRL's OpenEnv examples step every
 generation. An Action the server refuses
 (validation error) is reported to the model as the step's answer, reward 0.
 
@@ -145,7 +145,7 @@ def openenv_environment(
     class OpenEnvEnvironment(MultiTurnEnv):
         kind: ClassVar[str] = "tool"
         scores_truncated: ClassVar[bool] = True  # a reply cut off by the budget is still stepped, as
-        # TRL's OpenEnv rollouts step every generation (a cut-off tool call is not run)
+        # TRL's OpenEnv examples step every generation (a cut-off tool call is not run)
 
         def __init__(self, config: dict[str, Any] | None = None) -> None:
             super().__init__(config)

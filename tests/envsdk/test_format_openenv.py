@@ -151,5 +151,5 @@ def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path, backend: str
         result = run_episode(sandbox, {"prompt": "connect"}, scripted(call("connect", {"port": port}, "c1")))
         assert result.reward == 1.0, result.error  # the step ran on the sandboxed server...
         outcome = json.loads(result.messages[-1]["content"])["outcome"]
-        # ...whose loopback (bubblewrap brings one up; unshare's stays down) is not the host's
+        # ...whose loopback, if any, is not the host's
         assert outcome in {"ConnectionRefusedError", "OSError"}
