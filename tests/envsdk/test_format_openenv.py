@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from envsdk.errors import PackageError
+from envsdk.manifest import parse_manifest
 from envsdk.rollout import run_episode
 from envsdk.sandbox import Sandbox, probe_backend
 from envsdk.types import StopReason
@@ -90,7 +92,13 @@ def test_an_openenv_server_plays_episodes_in_the_sandbox(backend: str) -> None:
         assert result.reward == pytest.approx(0.1)  # 0 (refused) + 0.1 + 0 (not a number)
         assert result.info["metrics"]["openenv/steps"] == 2  # the refused Action was not a step
 
-        # episodes run in sessions of their own: a reply that is no Action ends the episode unscored
+        # concurrent episodes are sessions of their own on the server, each with its own environment
+        first, second = sandbox.reset(TASK), sandbox.reset({**TASK, "target": 2})
+        answer = {"role": "assistant", "content": "2"}
+        assert sandbox.step(second["episode_id"], answer)["reward"] == 1.0  # the second's target
+        assert sandbox.step(first["episode_id"], answer)["reward"] == pytest.approx(0.1)  # not the first's
+
+        # a reply that is no Action ends the episode
         no_action = run_episode(sandbox, TASK, scripted({"role": "assistant", "content": "   "}))
         assert no_action.stop_reason == StopReason.DONE and no_action.reward == 0.0
 
@@ -153,3 +161,12 @@ def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path, backend: str
         outcome = json.loads(result.messages[-1]["content"])["outcome"]
         # ...whose loopback, if any, is not the host's
         assert outcome in {"ConnectionRefusedError", "OSError"}
+
+
+def test_the_openenv_options_are_checked() -> None:
+    manifest = (EXAMPLE / "environment.toml").read_text()
+    assert parse_manifest(manifest).format_options() == {"tool_name": "guess", "text_field": "guess"}
+    with pytest.raises(PackageError, match=r"openenv\.tool_name"):
+        parse_manifest(manifest.replace('tool_name = "guess"', 'tool_name = "a guess"'))
+    with pytest.raises(PackageError, match=r"openenv\.port"):
+        parse_manifest(manifest.replace('tool_name = "guess"', "port = 8000"))
