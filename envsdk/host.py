@@ -120,6 +120,17 @@ def load_format(format: str, entrypoint: str, options: dict[str, Any] | None) ->
             return trl_environment(import_object(entrypoint), funcs)
         except TypeError as exc:
             raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
+    if format == "openenv":
+        from envsdk.formats.openenv import openenv_environment
+
+        try:
+            return openenv_environment(
+                import_object(entrypoint),
+                tool_name=options.get("tool_name") or "step",
+                text_field=options.get("text_field"),
+            )
+        except TypeError as exc:
+            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
     raise RemoteError("entrypoint_error", f"unknown environment format {format!r}")
 
 

@@ -136,6 +136,18 @@ class TRLOptions(BaseModel):
     """``module:name`` of each reward function, or of a list of them (``reward_funcs``' own shapes)."""
 
 
+class OpenEnvOptions(BaseModel):
+    """``[openenv]``: how the model's turns become the OpenEnv server's Actions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tool_name: str = Field("step", pattern=r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+    """Name of the one tool whose arguments are the Action (its JSON schema from the server's ``/schema``)."""
+    text_field: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    """The Action's field that a plain-text reply fills (``{text_field: reply}``); without it, a reply that
+    is neither a tool call nor a JSON object ends the episode."""
+
+
 class Manifest(BaseModel):
     """The parsed ``environment.toml``."""
 
@@ -162,12 +174,15 @@ class Manifest(BaseModel):
     """The requirements are the whole set the environment imports (a lock, every dependency pinned too):
     installed as listed, with none of their own dependencies added (``pip --no-deps``). For frameworks whose
     declared dependencies reach far beyond what an environment imports."""
-    format: Literal["envsdk", "trl"] = "envsdk"
-    """The framework the environment is written for: ``envsdk`` (the entrypoint is an envsdk class) or
-    ``trl`` (the entrypoint is TRL's ``environment_factory``; ``[trl]`` names its ``reward_funcs``). Its
-    code runs unchanged through an adapter (:mod:`envsdk.formats`)."""
+    format: Literal["envsdk", "trl", "openenv"] = "envsdk"
+    """The framework the environment is written for: ``envsdk`` (the entrypoint is an envsdk class),
+    ``trl`` (the entrypoint is TRL's ``environment_factory``; ``[trl]`` names its ``reward_funcs``) or
+    ``openenv`` (the entrypoint is the ASGI app of OpenEnv's ``create_app``, ``server.app:app``). Its code
+    runs unchanged through an adapter (:mod:`envsdk.formats`)."""
     trl: TRLOptions | None = None
     """``[trl]``: options of the ``trl`` format."""
+    openenv: OpenEnvOptions | None = None
+    """``[openenv]``: options of the ``openenv`` format."""
 
     def format_options(self) -> dict[str, Any]:
         """The options of the package's format, as the sandboxed host receives them."""

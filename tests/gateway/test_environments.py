@@ -93,7 +93,9 @@ def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Resp
     )
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic"])
+@pytest.mark.parametrize(
+    "name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic", "openenv_guess"]
+)
 def test_example_environment_job_succeeds(
     stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path, name: str
 ) -> None:
@@ -108,7 +110,8 @@ def test_example_environment_job_succeeds(
     steps = metrics(tenant, job.id)
     assert [d["step"] for d in steps] == [1, 2, 3]
     for data in steps:
-        most = 2.0 if name == "trl_arithmetic" else 1.0  # two reward functions, each at most 1
+        # two reward functions, each at most 1; three guesses, 0.1 for a number and 1 for the right one
+        most = {"trl_arithmetic": 2.0, "openenv_guess": 1.2}.get(name, 1.0)
         assert 0.0 <= data["reward_mean"] <= most and "rewards/environment" in data
         assert data["episode_failures"] == 0
         if name == "arithmetic":
@@ -122,6 +125,9 @@ def test_example_environment_job_succeeds(
         if name == "trl_arithmetic":  # written for TRL: its reward functions, one of them TRL's own
             # (trl.rewards.think_format_reward, from trl installed in the package's venv), each scored
             assert {"reward/correct_answer", "reward/think_format_reward"} <= set(data), sorted(data.items())
+        if name == "openenv_guess":  # written for OpenEnv: its own server (openenv-core's create_app,
+            # from the package's venv) ran in the sandbox and stepped the model's replies as its Action
+            assert data["openenv/steps"] > 0.0, sorted(data.items())
 
 
 def test_environment_run_scores_and_runs_tools_in_the_sandbox(

@@ -1,0 +1,1 @@
+"""Guess environment server components."""
