@@ -114,7 +114,7 @@ def _model_free_client(vf: Any) -> Any:
     """A verifiers ``Client`` that is never asked for a response: the model's turns come from tunegate."""
     from verifiers.clients import Client  # noqa: PLC0415
 
-    class TunegateTurns(Client):  # type: ignore[misc,valid-type]
+    class TunegateTurns(Client):
         def setup_client(self, config: Any) -> None:
             return None
 

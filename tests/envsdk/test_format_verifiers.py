@@ -25,7 +25,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "verifiers
 # A multi-turn verifiers environment, in verifiers' own style: the user gives a hint after a wrong guess,
 # a @vf.stop condition ends the rollout on the right number, and the rubric's reward functions see what
 # verifiers passes them (state, info, parser, prompt, completion, answer).
-GUESS = '''
+GUESS = """
 import verifiers as vf
 from datasets import Dataset
 
@@ -56,7 +56,7 @@ def load_environment(max_turns: int = 4, **kwargs):
     parser = vf.Parser()
     rubric = vf.Rubric(funcs=[solved, quick], weights=[1.0, 0.5], parser=parser)
     return GuessEnv(dataset=Dataset.from_list(rows), rubric=rubric, parser=parser, max_turns=max_turns)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,10 @@ def test_a_verifiers_multi_turn_env_steps_through_env_response_in_the_sandbox(
         result = run_episode(sandbox, task, policy)
         assert result.stop_reason == StopReason.DONE and result.turns == 3
         # each wrong guess answered by env_response, the right one stopped by the @vf.stop condition
-        assert [m["content"] for m in result.messages if m["role"] == "user"][1:] == ["No, higher.", "No, lower."]
+        assert [m["content"] for m in result.messages if m["role"] == "user"][1:] == [
+            "No, higher.",
+            "No, lower.",
+        ]
         # solved (1.0, weight 1.0) + quick (1/3 turns, weight 0.5), summed by the rubric
         assert result.reward == pytest.approx(1.0 + 0.5 / 3)
         assert result.info["metrics"]["reward/solved"] == 1.0

@@ -93,7 +93,9 @@ def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Resp
     )
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic"])
+@pytest.mark.parametrize(
+    "name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic", "verifiers_arithmetic"]
+)
 def test_example_environment_job_succeeds(
     stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path, name: str
 ) -> None:
@@ -108,10 +110,11 @@ def test_example_environment_job_succeeds(
     steps = metrics(tenant, job.id)
     assert [d["step"] for d in steps] == [1, 2, 3]
     for data in steps:
-        most = 2.0 if name == "trl_arithmetic" else 1.0  # two reward functions, each at most 1
+        # two reward functions, each at most 1 (trl: summed; verifiers: weighted 1.0 and 0.5 by its rubric)
+        most = {"trl_arithmetic": 2.0, "verifiers_arithmetic": 1.5}.get(name, 1.0)
         assert 0.0 <= data["reward_mean"] <= most and "rewards/environment" in data
         assert data["episode_failures"] == 0
-        if name == "arithmetic":
+        if name in ("arithmetic", "verifiers_arithmetic"):
             assert "turns_mean" not in data
         else:  # episodes of one or more turns, each turn answered by the environment in its sandbox
             assert 1.0 <= data["turns_mean"] <= 6.0 and data["tool_calls_mean"] >= 0.0
@@ -122,6 +125,13 @@ def test_example_environment_job_succeeds(
         if name == "trl_arithmetic":  # written for TRL: its reward functions, one of them TRL's own
             # (trl.rewards.think_format_reward, from trl installed in the package's venv), each scored
             assert {"reward/correct_answer", "reward/think_format_reward"} <= set(data), sorted(data.items())
+    if name == "verifiers_arithmetic":  # written for verifiers: load_environment() built it in the sandbox,
+        # from verifiers in the package's venv, and its vf.Rubric scores: 1.0 * exact + 0.5 * present
+        task = tasks_of(name)[0]
+        for completion, reward in ((task["answer"], 1.5), (f"It is {task['answer']}.", 0.5), ("no", 0.0)):
+            scored = run_env(stack, tenant, {"file_id": env_file, "task": task, "completion": completion})
+            assert scored.status_code == 200, scored.text
+            assert scored.json()["kind"] == "single_turn" and scored.json()["reward"] == reward
 
 
 def test_environment_run_scores_and_runs_tools_in_the_sandbox(
