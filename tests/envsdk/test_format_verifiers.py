@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from envsdk.rollout import run_episode
-from envsdk.sandbox import Sandbox
+from envsdk.sandbox import Sandbox, SandboxError
 from envsdk.types import StopReason
 from envsdk.venvs import VenvBuilder
 
@@ -127,3 +127,14 @@ def test_a_verifiers_multi_turn_env_steps_through_env_response_in_the_sandbox(
         # verifiers' own max_turns stop condition (4) ends it, and the rubric still scores it
         assert never.turns == 4 and never.reward == pytest.approx(0.5 / 4)
         assert never.info["stop_condition"] == "max_turns_reached"
+
+
+def test_what_is_not_a_verifiers_environment_is_refused_at_start(
+    builder: VenvBuilder, sandbox_backend: str, tmp_path: Path
+) -> None:
+    package = guess_package(tmp_path / "notenv")
+    (package / "vf_guess.py").write_text("def load_environment(**kwargs):\n    return {'dataset': []}\n")
+    refused = "load_environment returned dict, not a verifiers Environment"
+    with pytest.raises(SandboxError, match=refused) as caught:
+        Sandbox(package, venvs=builder, backend=sandbox_backend).start()
+    assert caught.value.code == "entrypoint_error"
