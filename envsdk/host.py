@@ -106,9 +106,21 @@ def import_object(path: str) -> Any:
     return obj
 
 
-def load_format(format: str, entrypoint: str, options: dict[str, Any] | None) -> type[Environment]:
-    """The environment class that plays ``entrypoint``, written for framework ``format``."""
+def load_format(
+    format: str, entrypoint: str, options: dict[str, Any] | None, config: dict[str, Any] | None = None
+) -> type[Environment]:
+    """The environment class that plays ``entrypoint``, written for framework ``format`` (``config``: the
+    package's config, for a format whose entrypoint is called with it)."""
     options = options or {}
+    if format == "verifiers":
+        from envsdk.formats.verifiers import verifiers_environment
+
+        try:  # load_environment(**config) builds the environment once per sandbox
+            return verifiers_environment(import_object(entrypoint), config)
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
     if format == "trl":
         from envsdk.formats.trl import trl_environment
 
@@ -177,7 +189,7 @@ class EnvHost:
         if format == "envsdk":
             env_cls = load_entrypoint(entrypoint)
         else:
-            env_cls = load_format(format, entrypoint, options)
+            env_cls = load_format(format, entrypoint, options, config)
         return cls(env_cls, config, entrypoint=entrypoint, max_turns=max_turns)
 
     @property

@@ -94,7 +94,8 @@ def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Resp
 
 
 @pytest.mark.parametrize(
-    "name", ["arithmetic", "guess_number", "calculator", "trl_arithmetic", "openenv_guess"]
+    "name",
+    ["arithmetic", "guess_number", "calculator", "trl_arithmetic", "openenv_guess", "verifiers_arithmetic"],
 )
 def test_example_environment_job_succeeds(
     stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path, name: str
@@ -110,11 +111,12 @@ def test_example_environment_job_succeeds(
     steps = metrics(tenant, job.id)
     assert [d["step"] for d in steps] == [1, 2, 3]
     for data in steps:
-        # two reward functions, each at most 1; three guesses, 0.1 for a number and 1 for the right one
-        most = {"trl_arithmetic": 2.0, "openenv_guess": 1.2}.get(name, 1.0)
+        # trl: two reward functions summed, each at most 1; openenv: three guesses, 0.1 for a number and 1
+        # for the right one; verifiers: two reward functions weighted 1.0 and 0.5 by its rubric
+        most = {"trl_arithmetic": 2.0, "openenv_guess": 1.2, "verifiers_arithmetic": 1.5}.get(name, 1.0)
         assert 0.0 <= data["reward_mean"] <= most and "rewards/environment" in data
         assert data["episode_failures"] == 0
-        if name == "arithmetic":
+        if name in ("arithmetic", "verifiers_arithmetic"):
             assert "turns_mean" not in data
         else:  # episodes of one or more turns, each turn answered by the environment in its sandbox
             assert 1.0 <= data["turns_mean"] <= 6.0 and data["tool_calls_mean"] >= 0.0
@@ -128,6 +130,13 @@ def test_example_environment_job_succeeds(
         if name == "openenv_guess":  # written for OpenEnv: its own server (openenv-core's create_app,
             # from the package's venv) ran in the sandbox and stepped the model's replies as its Action
             assert data["openenv/steps"] > 0.0, sorted(data.items())
+    if name == "verifiers_arithmetic":  # written for verifiers: load_environment() built it in the sandbox,
+        # from verifiers in the package's venv, and its vf.Rubric scores: 1.0 * exact + 0.5 * present
+        task = tasks_of(name)[0]
+        for completion, reward in ((task["answer"], 1.5), (f"It is {task['answer']}.", 0.5), ("no", 0.0)):
+            scored = run_env(stack, tenant, {"file_id": env_file, "task": task, "completion": completion})
+            assert scored.status_code == 200, scored.text
+            assert scored.json()["kind"] == "single_turn" and scored.json()["reward"] == reward
 
 
 def test_environment_run_scores_and_runs_tools_in_the_sandbox(
