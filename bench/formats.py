@@ -1,32 +1,40 @@
-"""Environment formats: episodes per second of an environment written for another framework, run unchanged
-through its adapter (`envsdk.formats`), against the same environment written natively in envsdk.
+"""Environment formats: how fast an environment written for another framework runs unchanged through its
+adapter (`envsdk.formats`), against the same environment written natively in envsdk.
 
-Each side is one sandbox (`envsdk.Sandbox`, the same as a trainer's) playing the same tasks with the same
-one-turn answers: `reset`, then one `step` whose answer ends the episode and is scored. The TRL side is
-`examples/envs/trl_arithmetic` as shipped (its exact requirement set, `trl` and `packaging`, in its venv;
-the scores from its own `correct_answer` and TRL's `think_format_reward`); the native side computes the same
-two scores in a `ToolEnv` with the same tools. Measured in alternating slices, so that a slow spell of a
-shared machine falls on both sides alike.
+Each side is one sandbox (`envsdk.Sandbox`, as a trainer's) fed the same tasks and the same answers, in
+alternating slices (a slow spell of a shared machine falls on both sides alike):
+
+* `trl`: `examples/envs/trl_arithmetic` (trl in its venv; its own `correct_answer` and TRL's
+  `think_format_reward`): episodes of one scored answer (`reset`, `step`);
+* `openenv`: `examples/envs/openenv_guess` (openenv-core's server in the sandbox, one WebSocket session an
+  episode): episodes of two guesses, the second right;
+* `verifiers`: `examples/envs/verifiers_arithmetic` (verifiers 0.3.1; its `vf.Rubric`): single-turn rewards
+  in batches of 16 (`reward_batch`), as a trainer asks for them.
+
+The native side of each computes the same rewards in an envsdk class; the report says whether they agree.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, Options, ratio
+from bench.common import ROOT, Options, fmt, ratio
 
-TRL_PACKAGE = ROOT / "examples" / "envs" / "trl_arithmetic"
+EXAMPLES = ROOT / "examples" / "envs"
 ROUNDS = 6
-NATIVE = '''
+BATCH = 16
+NATIVE_TRL = '''
 import re
 
 from envsdk import ToolEnv, tool
 
 
-class ArithmeticTools(ToolEnv):
+class Env(ToolEnv):
     @tool
     def add(self, a: int, b: int) -> str:
         """Add two integers.
@@ -56,84 +64,173 @@ class ArithmeticTools(ToolEnv):
         thought = 1.0 if re.match(pattern, completion[0]["content"], re.DOTALL | re.MULTILINE) else 0.0
         return correct + thought
 '''
-ANSWERS = ["<think>easy</think>{answer}", "{answer}", "It is {answer}.", "no idea"]
+NATIVE_GUESS = """
+import re
+
+from envsdk import MultiTurnEnv, StepResult, task_messages
 
 
-def _native_package(root: Path) -> Path:
+class Env(MultiTurnEnv):
+    def reset(self, task):
+        self.target, self.left = int(task["target"]), 3
+        return task_messages(task)
+
+    def step(self, message):
+        self.left -= 1
+        found = re.search(r"-?\\d+", message.get("content") or "")
+        if found is None:
+            text, reward, done = "not a number", 0.0, False
+        elif int(found.group()) == self.target:
+            text, reward, done = "correct", 1.0, True
+        else:
+            text = "higher" if int(found.group()) < self.target else "lower"
+            reward, done = 0.1, False
+        done = done or self.left <= 0
+        return StepResult(observation=[{"role": "user", "content": text}], reward=reward, done=done)
+"""
+NATIVE_SUMS = """
+import re
+
+from envsdk import SingleTurnEnv, completion_text
+
+
+class Env(SingleTurnEnv):
+    def reward(self, task, completion):
+        text = completion_text(completion).strip()
+        exact = 1.0 if text == task["answer"] else 0.0
+        present = 1.0 if task["answer"] in re.findall(r"-?\\d+", text) else 0.0
+        return exact + 0.5 * present
+"""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One format: its example package, the native equivalent, and how a unit of work is played."""
+
+    package: str
+    native: str
+    play: Callable[[Any, dict[str, Any], int], list[float]]
+    """Play unit `i` of `task` on a sandbox; the rewards it gave. One episode, or one batch of rewards."""
+    unit: str
+
+
+def _step(box: Any, episode: str, content: str) -> dict[str, Any]:
+    step: dict[str, Any] = box.call(
+        "step", {"episode_id": episode, "assistant_message": {"role": "assistant", "content": content}}
+    )
+    assert step.get("error") is None, step
+    return step
+
+
+def _answer_episode(box: Any, task: dict[str, Any], i: int) -> list[float]:
+    answers = ["<think>easy</think>{answer}", "{answer}", "It is {answer}.", "no idea"]
+    opened = box.call("reset", {"task": task})
+    step = _step(box, opened["episode_id"], answers[i % len(answers)].format(answer=task["answer"]))
+    assert step["done"], step
+    return [float(step["reward"])]
+
+
+def _guess_episode(box: Any, task: dict[str, Any], i: int) -> list[float]:
+    opened = box.call("reset", {"task": task})
+    first = str(task["target"] % 10 + 1)  # wrong, then right
+    rewards = [float(_step(box, opened["episode_id"], first)["reward"])]
+    last = _step(box, opened["episode_id"], str(task["target"]))
+    assert last["done"], last
+    return rewards + [float(last["reward"])]
+
+
+def _reward_batch(box: Any, task: dict[str, Any], i: int) -> list[float]:
+    replies = ["{answer}", "It is {answer}.", "no"]
+    items = [
+        {"task": task, "completion": replies[(i + k) % len(replies)].format(answer=task["answer"])}
+        for k in range(BATCH)
+    ]
+    out = box.reward_batch(items)
+    assert all(r.get("error") is None for r in out), out
+    return [float(r["reward"]) for r in out]
+
+
+CASES = {
+    "trl": Case("trl_arithmetic", NATIVE_TRL, _answer_episode, "episodes"),
+    "openenv": Case("openenv_guess", NATIVE_GUESS, _guess_episode, "episodes"),
+    "verifiers": Case("verifiers_arithmetic", NATIVE_SUMS, _reward_batch, "rewards"),
+}
+
+
+def _native_package(root: Path, code: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "environment.toml").write_text(
-        'name = "native-arithmetic"\nversion = "0.1.0"\nentrypoint = "native_env:ArithmeticTools"\n'
+        'name = "native"\nversion = "0.1.0"\nentrypoint = "native_env:Env"\n'
     )
-    (root / "native_env.py").write_text(NATIVE)
+    (root / "native_env.py").write_text(code)
     return root
 
 
-def _episodes(
-    box: Any, tasks: list[dict[str, Any]], seconds: float, rewards: list[float]
+def _slice(
+    box: Any, case: Case, tasks: list[dict[str, Any]], seconds: float, seen: list[float]
 ) -> tuple[int, float]:
-    """Play episodes for `seconds`: (how many, the time they took)."""
+    """Play units for `seconds`: (units played, the time they took); the first rewards go to `seen`."""
     done, t0 = 0, time.perf_counter()
     while (now := time.perf_counter()) - t0 < seconds:
-        task = tasks[done % len(tasks)]
-        answer = ANSWERS[done % len(ANSWERS)].format(answer=task["answer"])
-        opened = box.call("reset", {"task": task})
-        message = {"role": "assistant", "content": answer}
-        step = box.call("step", {"episode_id": opened["episode_id"], "assistant_message": message})
-        assert step["done"] and step.get("error") is None, step
-        if len(rewards) < len(ANSWERS) * 2:
-            rewards.append(float(step["reward"]))
+        rewards = case.play(box, tasks[done % len(tasks)], done)
+        if len(seen) < 32:
+            seen.extend(rewards)
         done += 1
     return done, now - t0
 
 
-def run(opts: Options) -> dict[str, Any]:
+def _compare(name: str, case: Case, opts: Options, builder: Any) -> dict[str, Any]:
     from envsdk.sandbox import Sandbox
-    from envsdk.venvs import VenvBuilder
 
-    lines = (TRL_PACKAGE / "tasks.jsonl").read_text().splitlines()
-    tasks = [json.loads(line) for line in lines if line.strip()]
-    builder = VenvBuilder(opts.workdir / "formats" / "venvs")
-    native = _native_package(opts.workdir / "formats" / "native")
+    package = EXAMPLES / case.package
+    tasks = [json.loads(line) for line in (package / "tasks.jsonl").read_text().splitlines() if line.strip()]
+    native = _native_package(opts.workdir / "formats" / f"native-{name}", case.native)
     seconds = 0.5 if opts.quick else 4.0
+    per_unit = BATCH if case.unit == "rewards" else 1
     t0 = time.perf_counter()
     sides: dict[str, dict[str, Any]] = {}
-    with Sandbox(native, venvs=builder) as native_box, Sandbox(TRL_PACKAGE, venvs=builder) as trl_box:
-        venv_s = time.perf_counter() - t0
-        boxes = {"native": native_box, "trl": trl_box}
-        for name in boxes:
-            sides[name] = {"episodes": 0, "elapsed_s": 0.0, "rewards": []}
+    with Sandbox(native, venvs=builder) as native_box, Sandbox(package, venvs=builder) as adapted_box:
+        start_s = time.perf_counter() - t0
+        boxes = {"native": native_box, name: adapted_box}
+        for side in boxes:
+            sides[side] = {"units": 0, "elapsed_s": 0.0, "rewards": []}
         for _ in range(ROUNDS):
-            for name, box in boxes.items():
-                n, took = _episodes(box, tasks, seconds / ROUNDS, sides[name]["rewards"])
-                sides[name]["episodes"] += n
-                sides[name]["elapsed_s"] += took
-    for side in sides.values():
-        side["episodes_per_s"] = side["episodes"] / side["elapsed_s"]
+            for side, box in boxes.items():
+                n, took = _slice(box, case, tasks, seconds / ROUNDS, sides[side]["rewards"])
+                sides[side]["units"] += n * per_unit
+                sides[side]["elapsed_s"] += took
+    for totals in sides.values():
+        totals["per_s"] = totals["units"] / totals["elapsed_s"]
     return {
+        "unit": case.unit,
         "sides": sides,
-        "trl_vs_native": ratio(sides["trl"]["episodes_per_s"], sides["native"]["episodes_per_s"]),
-        "same_rewards": sides["trl"]["rewards"] == sides["native"]["rewards"],
-        "start_s": venv_s,
+        "vs_native": ratio(sides[name]["per_s"], sides["native"]["per_s"]),
+        "same_rewards": sides[name]["rewards"] == sides["native"]["rewards"],
+        "start_s": start_s,
     }
 
 
+def run(opts: Options) -> dict[str, Any]:
+    from envsdk.venvs import VenvBuilder
+
+    builder = VenvBuilder(opts.workdir / "formats" / "venvs")
+    return {"formats": {name: _compare(name, case, opts, builder) for name, case in CASES.items()}}
+
+
 def markdown(report: dict[str, Any]) -> list[str]:
-    sides = report["sides"]
     lines = [
-        "Episodes per second (reset, then one scored answer) through one sandbox each: "
-        "`examples/envs/trl_arithmetic` (written for TRL, run through `envsdk.formats.trl`, with `trl` in "
-        "its venv) against the same environment written in envsdk, same tasks and answers, alternating "
-        "slices.",
+        "Each example package of another framework's format, run unchanged through its adapter in one "
+        "sandbox, against the same environment written in envsdk in another, same tasks and answers, "
+        "alternating slices: trl and openenv in episodes per second, verifiers in rewards per second "
+        "(batches of 16).",
         "",
-        "| format | episodes | episodes/s | vs native |",
-        "|---|---|---|---|",
+        "| format | unit | native /s | adapter /s | vs native | same rewards | sandboxes started (s) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, side in sides.items():
-        vs = report["trl_vs_native"] if name == "trl" else 1.0
-        lines.append(f"| {name} | {side['episodes']} | {side['episodes_per_s']:.0f} | {vs:.2f}x |")
-    lines += [
-        "",
-        f"Both sides gave the same rewards for the same answers: {report['same_rewards']}. Starting both "
-        f"sandboxes (the TRL side's venv built or found in the cache first) took {report['start_s']:.1f} s.",
-    ]
+    for name, r in report["formats"].items():
+        lines.append(
+            f"| {name} | {r['unit']} | {r['sides']['native']['per_s']:.0f} | "
+            f"{r['sides'][name]['per_s']:.0f} | {fmt(r['vs_native'])}x | {r['same_rewards']} | "
+            f"{r['start_s']:.1f} |"
+        )
     return lines
