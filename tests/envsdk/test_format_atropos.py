@@ -53,6 +53,41 @@ def test_an_atropos_env_scores_the_trainers_group_with_its_own_code_in_the_sandb
         assert all(r["reward"] is None and "did not generate this group for" in r["error"] for r in refused)
 
 
+# BaseEnv's default collect_trajectories: collect_trajectory once per completion, each asking for n=1
+PER_ITEM = """
+from atropos_arithmetic import ArithmeticEnv, tokenize_for_trainer
+
+
+class PerItemEnv(ArithmeticEnv):
+    async def collect_trajectories(self, item):
+        return await super(ArithmeticEnv, self).collect_trajectories(item)
+
+    async def collect_trajectory(self, item):
+        messages = [{"role": "user", "content": item["question"]}]
+        out = await self.server.chat_completion(messages=messages, n=1)
+        reply = out.choices[0].message.content
+        tokens = tokenize_for_trainer(self.tokenizer, messages + [{"role": "assistant", "content": reply}])
+        score = 1.0 if reply == item["answer"] else 0.0
+        return {"tokens": tokens["tokens"], "masks": tokens["masks"], "scores": score}, []
+"""
+
+
+def test_an_atropos_env_scoring_one_trajectory_at_a_time_keeps_the_groups_order(
+    builder: VenvBuilder, sandbox_backend: str, tmp_path: Path
+) -> None:
+    package = tmp_path / "per-item"
+    shutil.copytree(EXAMPLE, package)
+    (package / "per_item.py").write_text(PER_ITEM)
+    manifest = package / "environment.toml"
+    text = manifest.read_text().replace("atropos_arithmetic:ArithmeticEnv", "per_item:PerItemEnv")
+    manifest.write_text(text)
+    with Sandbox(package, config={"atropos_tasks": 1}, venvs=builder, backend=sandbox_backend) as sandbox:
+        (task,) = sandbox.tasks()
+        answer = task["item"]["answer"]
+        group = [answer, "x", "y", answer, "z", answer]
+        assert [r["reward"] for r in sandbox.group_reward(task, group)] == [1.0, 0.0, 0.0, 1.0, 0.0, 1.0]
+
+
 def test_what_is_not_an_atropos_env_is_refused_at_start(
     builder: VenvBuilder, sandbox_backend: str, tmp_path: Path
 ) -> None:
