@@ -27,8 +27,10 @@ the job's current policy's outputs, and the group's ``scores`` become its reward
   config) and records the prompt the env asks for as each row's ``messages``.
 * A group the env drops (``collect_trajectories`` returns ``None``, as Atropos envs do when all scores are
   equal) is rewarded 0.0 throughout: the same zero advantage, but its mean counts as 0.
-* Not supported: ``managed_server`` (it needs token ids and logprobs from the server), multi-turn envs that
-  call the server again after the first group, ``collect_trajectory`` items, and ``evaluate``.
+* BaseEnv's default ``collect_trajectories`` (``collect_trajectory`` once per completion, each asking for
+  ``n=1``) takes the group's completions in order.
+* Not supported: ``managed_server`` (it needs token ids and logprobs from the server), envs that call the
+  server again after their group (multi-turn or multi-step), and ``evaluate``.
 
 This module is stdlib-only at import time (it runs inside the sandbox); ``atroposlib`` is imported when a
 package is loaded, from the package's venv.
@@ -221,7 +223,8 @@ def atropos_environment(
             finally:
                 _GROUP.reset(token)
         if group.left:
-            raise RuntimeError(f"the environment asked for {len(completions) - len(group.left)} completions")
+            used, made = len(completions) - len(group.left), len(completions)
+            raise RuntimeError(f"the environment asked for {used} of the group's {made} completions")
         scores = _scores(result)
         if scores is None:
             return [0.0] * len(completions)
