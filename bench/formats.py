@@ -9,7 +9,10 @@ alternating slices (a slow spell of a shared machine falls on both sides alike):
 * `openenv`: `examples/envs/openenv_guess` (openenv-core's server in the sandbox, one WebSocket session an
   episode): episodes of two guesses, the second right;
 * `verifiers`: `examples/envs/verifiers_arithmetic` (verifiers 0.3.1; its `vf.Rubric`): single-turn rewards
-  in batches of 16 (`reward_batch`), as a trainer asks for them.
+  in batches of 16 (`reward_batch`), as a trainer asks for them;
+* `atropos`: `examples/envs/atropos_arithmetic` (atroposlib 0.4.0; its own `collect_trajectories` and
+  `score`, answered by the adapter's stand-in for its server): rewards of groups of 16 completions of one
+  prompt (`group_reward`), as a trainer asks for them.
 
 The native side of each computes the same rewards in an envsdk class; the report says whether they agree.
 """
@@ -101,6 +104,17 @@ class Env(SingleTurnEnv):
         present = 1.0 if task["answer"] in re.findall(r"-?\\d+", text) else 0.0
         return exact + 0.5 * present
 """
+NATIVE_GROUPS = """
+import re
+
+from envsdk import SingleTurnEnv, completion_text
+
+
+class Env(SingleTurnEnv):
+    def reward(self, task, completion):
+        text, answer = completion_text(completion).strip(), task["answer"]
+        return 1.0 if text == answer else 0.5 if answer in re.findall(r"-?\\d+", text) else 0.0
+"""
 
 
 @dataclass(frozen=True)
@@ -150,10 +164,19 @@ def _reward_batch(box: Any, task: dict[str, Any], i: int) -> list[float]:
     return [float(r["reward"]) for r in out]
 
 
+def _group_reward(box: Any, task: dict[str, Any], i: int) -> list[float]:
+    replies = ["{answer}", "It is {answer}.", "no"]
+    group = [replies[(i + k) % len(replies)].format(answer=task["answer"]) for k in range(BATCH)]
+    out = box.group_reward(task, group)
+    assert all(r.get("error") is None for r in out), out
+    return [float(r["reward"]) for r in out]
+
+
 CASES = {
     "trl": Case("trl_arithmetic", NATIVE_TRL, _answer_episode, "episodes"),
     "openenv": Case("openenv_guess", NATIVE_GUESS, _guess_episode, "episodes"),
     "verifiers": Case("verifiers_arithmetic", NATIVE_SUMS, _reward_batch, "rewards"),
+    "atropos": Case("atropos_arithmetic", NATIVE_GROUPS, _group_reward, "rewards"),
 }
 
 
@@ -222,7 +245,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "Each example package of another framework's format, run unchanged through its adapter in one "
         "sandbox, against the same environment written in envsdk in another, same tasks and answers, "
         "alternating slices: trl and openenv in episodes per second, verifiers in rewards per second "
-        "(batches of 16).",
+        "(batches of 16), atropos in rewards per second (groups of 16 completions of one prompt).",
         "",
         "| format | unit | native /s | adapter /s | vs native | same rewards | sandboxes started (s) |",
         "|---|---|---|---|---|---|---|",

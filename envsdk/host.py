@@ -121,6 +121,15 @@ def load_format(
             raise
         except Exception as exc:
             raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
+    if format == "atropos":
+        from envsdk.formats.atropos import atropos_environment
+
+        try:  # the BaseEnv is made once per sandbox, with the package's config over its config_init()'s
+            return atropos_environment(import_object(entrypoint), config)
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
     if format == "trl":
         from envsdk.formats.trl import trl_environment
 

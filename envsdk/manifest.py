@@ -174,12 +174,14 @@ class Manifest(BaseModel):
     """The requirements are the whole set the environment imports (a lock, every dependency pinned too):
     installed as listed, with none of their own dependencies added (``pip --no-deps``). For frameworks whose
     declared dependencies reach far beyond what an environment imports."""
-    format: Literal["envsdk", "trl", "openenv", "verifiers"] = "envsdk"
+    format: Literal["envsdk", "trl", "openenv", "verifiers", "atropos"] = "envsdk"
     """The framework the environment is written for: ``envsdk`` (the entrypoint is an envsdk class),
     ``trl`` (the entrypoint is TRL's ``environment_factory``; ``[trl]`` names its ``reward_funcs``),
     ``openenv`` (the entrypoint is the ASGI app of OpenEnv's ``create_app``, ``server.app:app``) or
     ``verifiers`` (the entrypoint is the module's ``load_environment``, called with ``config`` as its
-    keyword arguments). Its code runs unchanged through an adapter (:mod:`envsdk.formats`)."""
+    keyword arguments) or ``atropos`` (the entrypoint is an ``atroposlib`` ``BaseEnv`` subclass; ``config``
+    updates its ``config_init()``'s env config). Its code runs unchanged through an adapter
+    (:mod:`envsdk.formats`)."""
     trl: TRLOptions | None = None
     """``[trl]``: options of the ``trl`` format."""
     openenv: OpenEnvOptions | None = None

@@ -129,7 +129,7 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
 def test_formats_bench_compares_an_adapter_with_native(report: dict[str, Any]) -> None:
     f = report["benches"]["formats"]
     assert "error" not in f, f.get("traceback")
-    assert set(f["formats"]) == {"trl", "openenv", "verifiers"}
+    assert set(f["formats"]) == {"trl", "openenv", "verifiers", "atropos"}
     for name, r in f["formats"].items():
         assert r["sides"]["native"]["units"] > 0 and r["sides"][name]["units"] > 0
         assert _number(r["vs_native"]) and r["same_rewards"] is True, (name, r["sides"])

@@ -95,7 +95,15 @@ def run_env(stack: GatewayServer, t: Tenant, body: dict[str, Any]) -> httpx.Resp
 
 @pytest.mark.parametrize(
     "name",
-    ["arithmetic", "guess_number", "calculator", "trl_arithmetic", "openenv_guess", "verifiers_arithmetic"],
+    [
+        "arithmetic",
+        "guess_number",
+        "calculator",
+        "trl_arithmetic",
+        "openenv_guess",
+        "verifiers_arithmetic",
+        "atropos_arithmetic",
+    ],
 )
 def test_example_environment_job_succeeds(
     stack: GatewayServer, worker: WorkerProcess, tenant: Tenant, tmp_path: Path, name: str
@@ -116,7 +124,7 @@ def test_example_environment_job_succeeds(
         most = {"trl_arithmetic": 2.0, "openenv_guess": 1.2, "verifiers_arithmetic": 1.5}.get(name, 1.0)
         assert 0.0 <= data["reward_mean"] <= most and "rewards/environment" in data
         assert data["episode_failures"] == 0
-        if name in ("arithmetic", "verifiers_arithmetic"):
+        if name in ("arithmetic", "verifiers_arithmetic", "atropos_arithmetic"):
             assert "turns_mean" not in data
         else:  # episodes of one or more turns, each turn answered by the environment in its sandbox
             assert 1.0 <= data["turns_mean"] <= 6.0 and data["tool_calls_mean"] >= 0.0
@@ -134,6 +142,13 @@ def test_example_environment_job_succeeds(
         # from verifiers in the package's venv, and its vf.Rubric scores: 1.0 * exact + 0.5 * present
         task = tasks_of(name)[0]
         for completion, reward in ((task["answer"], 1.5), (f"It is {task['answer']}.", 0.5), ("no", 0.0)):
+            scored = run_env(stack, tenant, {"file_id": env_file, "task": task, "completion": completion})
+            assert scored.status_code == 200, scored.text
+            assert scored.json()["kind"] == "single_turn" and scored.json()["reward"] == reward
+    if name == "atropos_arithmetic":  # written for Atropos: its BaseEnv (atroposlib from the package's venv)
+        # judged each group with its own collect_trajectories and score: 1.0 exact, 0.5 present, else 0.0
+        task = tasks_of(name)[0]
+        for completion, reward in ((task["answer"], 1.0), (f"It is {task['answer']}.", 0.5), ("no", 0.0)):
             scored = run_env(stack, tenant, {"file_id": env_file, "task": task, "completion": completion})
             assert scored.status_code == 200, scored.text
             assert scored.json()["kind"] == "single_turn" and scored.json()["reward"] == reward
