@@ -106,53 +106,57 @@ def import_object(path: str) -> Any:
     return obj
 
 
+def _verifiers(target: Any, options: dict[str, Any], config: dict[str, Any] | None) -> type[Environment]:
+    from envsdk.formats.verifiers import verifiers_environment
+
+    return verifiers_environment(target, config)  # load_environment(**config), once per sandbox
+
+
+def _atropos(target: Any, options: dict[str, Any], config: dict[str, Any] | None) -> type[Environment]:
+    from envsdk.formats.atropos import atropos_environment
+
+    return atropos_environment(target, config)  # made once per sandbox, config over its config_init()'s
+
+
+def _trl(target: Any, options: dict[str, Any], config: dict[str, Any] | None) -> type[Environment]:
+    from envsdk.formats.trl import trl_environment
+
+    funcs: list[Any] = []
+    for path in options.get("reward_funcs") or []:
+        found = import_object(path)
+        funcs.extend(found if isinstance(found, list | tuple) else [found])
+    return trl_environment(target, funcs)
+
+
+def _openenv(target: Any, options: dict[str, Any], config: dict[str, Any] | None) -> type[Environment]:
+    from envsdk.formats.openenv import openenv_environment
+
+    return openenv_environment(
+        target, tool_name=options.get("tool_name") or "step", text_field=options.get("text_field")
+    )
+
+
+FORMATS = {"verifiers": _verifiers, "atropos": _atropos, "trl": _trl, "openenv": _openenv}
+"""Each format's adapter: (the entrypoint's object, the format's options, the package's config) -> the
+environment class that plays it (`envsdk.formats`)."""
+
+
 def load_format(
     format: str, entrypoint: str, options: dict[str, Any] | None, config: dict[str, Any] | None = None
 ) -> type[Environment]:
     """The environment class that plays ``entrypoint``, written for framework ``format`` (``config``: the
-    package's config, for a format whose entrypoint is called with it)."""
-    options = options or {}
-    if format == "verifiers":
-        from envsdk.formats.verifiers import verifiers_environment
-
-        try:  # load_environment(**config) builds the environment once per sandbox
-            return verifiers_environment(import_object(entrypoint), config)
-        except RemoteError:
-            raise
-        except Exception as exc:
-            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
-    if format == "atropos":
-        from envsdk.formats.atropos import atropos_environment
-
-        try:  # the BaseEnv is made once per sandbox, with the package's config over its config_init()'s
-            return atropos_environment(import_object(entrypoint), config)
-        except RemoteError:
-            raise
-        except Exception as exc:
-            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
-    if format == "trl":
-        from envsdk.formats.trl import trl_environment
-
-        funcs: list[Any] = []
-        for path in options.get("reward_funcs") or []:
-            found = import_object(path)
-            funcs.extend(found if isinstance(found, list | tuple) else [found])
-        try:
-            return trl_environment(import_object(entrypoint), funcs)
-        except TypeError as exc:
-            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
-    if format == "openenv":
-        from envsdk.formats.openenv import openenv_environment
-
-        try:
-            return openenv_environment(
-                import_object(entrypoint),
-                tool_name=options.get("tool_name") or "step",
-                text_field=options.get("text_field"),
-            )
-        except TypeError as exc:
-            raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
-    raise RemoteError("entrypoint_error", f"unknown environment format {format!r}")
+    package's config, for a format whose entrypoint is called with it). What the adapter refuses is an
+    ``entrypoint_error``."""
+    adapter = FORMATS.get(format)
+    if adapter is None:
+        raise RemoteError("entrypoint_error", f"unknown environment format {format!r}")
+    target = import_object(entrypoint)
+    try:
+        return adapter(target, options or {}, config)
+    except RemoteError:
+        raise
+    except Exception as exc:
+        raise RemoteError("entrypoint_error", f"{entrypoint}: {error_text(exc)}") from exc
 
 
 def overrides_group_reward(env_cls: type[Environment]) -> bool:
