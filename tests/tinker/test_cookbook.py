@@ -9,9 +9,7 @@ arithmetic conversations) and `examples/tinker/cookbook_rl.py` (`rl.train.main` 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +19,9 @@ import asyncpg
 import pytest
 import tinker
 
-from gateway.tinker.paths import checkpoint_key, parse_tinker_path
+from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.source import load_script
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is installed by scripts/install")
@@ -35,12 +34,7 @@ worker = worker_fixture(autouse=True, TUNEGATE_TRAINING_SLOTS="2")
 
 
 def driver(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"tinker_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # chz and dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"tinker_{name}")
 
 
 def run(name: str, gw: GatewayServer, org: Tenant, log_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,7 +56,7 @@ def adapter(gw: GatewayServer, org: Tenant, sampler_path: str) -> dict[str, Any]
 
     parsed = parse_tinker_path(sampler_path)
     assert parsed is not None and parsed[1] == "sampler", sampler_path
-    folder = gw.settings.blob_dir / checkpoint_key(org.org_id, parsed[0], "sampler_weights", parsed[2])
+    folder = gw.settings.blob_dir / checkpoint_key(org.org_id, parsed[0], SEGMENT["sampler"], parsed[2])
     return load_file(str(folder / "adapter_model.safetensors"))
 
 

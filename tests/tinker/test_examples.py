@@ -4,14 +4,13 @@ both raise the held-out reward."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.source import load_script
 from tests.support.stack import Admin, GatewayServer
 
 pytestmark = [pytest.mark.slow]
@@ -22,12 +21,7 @@ worker = worker_fixture(autouse=True, TUNEGATE_TRAINING_SLOTS="2")
 
 
 def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"tinker_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"tinker_{name}")
 
 
 @pytest.mark.timeout(900)

@@ -20,7 +20,7 @@ import pytest
 import tinker
 from tinker import types
 
-from gateway.tinker.paths import checkpoint_key, parse_tinker_path, served_model_id
+from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path, served_model_id
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
 
@@ -91,7 +91,7 @@ def test_training_lowers_the_loss_and_forward_matches_peft(
     # forward's log-probabilities are those of transformers + PEFT on the same weights
     saved = tc.save_weights_for_sampler("peft-check").result()
     model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
-    adapter = gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, "sampler_weights", name)
+    adapter = gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, SEGMENT["sampler"], name)
     out = tc.forward(data, "cross_entropy").result()
     expected = _peft_logprobs(gw.settings.base_models["tiny-chat"].path, adapter, DATA)
     for got, want in zip(out.loss_fn_outputs, expected, strict=True):
