@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from envsdk.sandbox import probe_backend
+from envsdk.venvs import VenvBuilder
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
 
@@ -19,6 +20,12 @@ def sandbox_backend() -> str:
         if probe_backend(name):
             return name
     pytest.skip("no sandbox backend here: install bubblewrap (apt-get install bubblewrap)")
+
+
+@pytest.fixture(scope="session")
+def builder(tmp_path_factory: pytest.TempPathFactory) -> VenvBuilder:
+    """One venv cache for the sandboxed tests of packages with requirements: each set is built once."""
+    return VenvBuilder(tmp_path_factory.mktemp("venvs"))
 
 
 @pytest.fixture

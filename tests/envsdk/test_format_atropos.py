@@ -20,11 +20,6 @@ from envsdk.venvs import VenvBuilder
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "atropos_arithmetic"
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> VenvBuilder:
-    return VenvBuilder(tmp_path_factory.mktemp("atropos-venvs"))
-
-
 def test_an_atropos_env_scores_the_trainers_group_with_its_own_code_in_the_sandbox(
     builder: VenvBuilder, sandbox_backend: str, tmp_path: Path
 ) -> None:

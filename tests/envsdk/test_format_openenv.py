@@ -16,6 +16,7 @@ from envsdk.manifest import parse_manifest
 from envsdk.rollout import run_episode
 from envsdk.sandbox import Sandbox, probe_backend
 from envsdk.types import StopReason
+from envsdk.venvs import VenvBuilder
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "envs" / "openenv_guess"
 
@@ -48,8 +49,8 @@ def scripted(*turns: dict[str, Any]) -> Any:
     return policy
 
 
-def test_an_openenv_server_plays_episodes_in_the_sandbox(backend: str) -> None:
-    with Sandbox(EXAMPLE, backend=backend) as sandbox:
+def test_an_openenv_server_plays_episodes_in_the_sandbox(backend: str, builder: VenvBuilder) -> None:
+    with Sandbox(EXAMPLE, backend=backend, venvs=builder) as sandbox:
         described = sandbox.describe()
         assert described["kind"] == "tool" and described["max_turns"] == 3 and described["scores_truncated"]
         (tool,) = described["tools"]  # the Action's schema from the server's /schema, less its metadata
@@ -142,7 +143,9 @@ app = create_app(ProbeEnvironment, ConnectAction, ConnectObservation, env_name="
 """
 
 
-def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path, backend: str) -> None:
+def test_the_sandboxed_server_cannot_reach_the_host(
+    tmp_path: Path, backend: str, builder: VenvBuilder
+) -> None:
     package = tmp_path / "probe"
     (package / "server").mkdir(parents=True)
     (package / "server" / "__init__.py").write_text("")
@@ -152,7 +155,7 @@ def test_the_sandboxed_server_cannot_reach_the_host(tmp_path: Path, backend: str
     (package / "environment.toml").write_text(
         manifest.replace('tool_name = "guess"', 'tool_name = "connect"')
     )
-    with socket.socket() as listener, Sandbox(package, backend=backend) as sandbox:
+    with socket.socket() as listener, Sandbox(package, backend=backend, venvs=builder) as sandbox:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]

@@ -59,11 +59,6 @@ def load_environment(max_turns: int = 4, **kwargs):
 """
 
 
-@pytest.fixture(scope="module")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> VenvBuilder:
-    return VenvBuilder(tmp_path_factory.mktemp("vf-venvs"))
-
-
 def guess_package(root: Path) -> Path:
     root.mkdir()
     manifest = (EXAMPLE / "environment.toml").read_text()
