@@ -133,7 +133,7 @@ def test_redis_then_postgres_restart_while_a_job_trains_and_chats_flow(
             training_file=training_file,
             method={
                 "type": "supervised",
-                "supervised": {"hyperparameters": {"max_steps": 30, "batch_size": 2}},
+                "supervised": {"hyperparameters": {"max_steps": 120, "batch_size": 2}},  # past restarts
             },
         )
         deadline = time.monotonic() + 480
