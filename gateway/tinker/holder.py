@@ -125,7 +125,7 @@ class Holder:
         await self.process.start()
         beat = asyncio.create_task(self._beat())
         try:
-            init = {"op": "init", "base_path": str(self.settings.base_models[self.model.base_model].path)}
+            init = {"op": "init", "base_path": str(self.settings.base_model_path(self.model.base_model))}
             init.update(self.model.lora_config)
             await self._must(init)
             if self.model.resume_path:
