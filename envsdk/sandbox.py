@@ -15,6 +15,8 @@ Isolation (the ``bwrap`` backend, bubblewrap):
   does not apply ``RLIMIT_NPROC`` to root); as another user, ``--unshare-all --uid 65534``;
 * rlimits on address space, CPU seconds, open files, processes and file size, set by the child before it
   imports user code;
+* a lower CPU priority (niceness raised by ``SANDBOX_NICE``), so that hostile code cannot starve the
+  gateway, the worker or the trainers of the CPU;
 * a wall-clock timeout per call; on timeout, death or a garbled channel the whole process group is killed
   (``--die-with-parent`` takes the sandbox's PID namespace with it), and :meth:`Sandbox.start` may be
   called again.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import logging
 import os
@@ -50,6 +53,7 @@ from envsdk.errors import SandboxError
 from envsdk.manifest import Limits, Maxima, load_manifest
 from envsdk.sandbox_backends import (
     ENVSDK_SRC,
+    SANDBOX_NICE,
     SANDBOX_PATH,
     SANDBOX_PYTHONPATH,
     SCRATCH,
@@ -110,11 +114,14 @@ def _decode_line(line: bytes) -> Any:
         return json.loads(line)
 
 
-def _die_with_parent() -> None:
-    """In the child before ``exec``: SIGKILL when the process that started it dies."""
-    import ctypes
+def _child_setup(die_with_parent: bool) -> None:
+    """In the child before ``exec``: a lower CPU priority (``SANDBOX_NICE``, for every backend and all the
+    sandbox starts) and, with ``die_with_parent``, SIGKILL when the process that started it dies."""
+    os.nice(SANDBOX_NICE)
+    if die_with_parent:
+        import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Sandbox:
@@ -199,7 +206,7 @@ class Sandbox:
                 close_fds=True,
                 start_new_session=True,
                 # bubblewrap has --die-with-parent; unshare's --kill-child takes the sandbox down with it
-                preexec_fn=_die_with_parent if backend == "unshare" else None,
+                preexec_fn=functools.partial(_child_setup, backend == "unshare"),
             )
         except OSError as exc:
             self.close()

@@ -39,6 +39,10 @@ SCRATCH = "/scratch"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 SANDBOX_VENV = "/venv"
 """Where the sandbox mounts a package's venv (read-only, :mod:`envsdk.venvs`)."""
+SANDBOX_NICE = 10
+"""How far below the host's the sandboxed process's CPU priority is: the child raises its niceness by this
+before ``exec`` (the kernel caps it at 19) and all it starts inherits it, so a package that spins every core
+it may use still leaves the gateway, the worker and the trainers their share."""
 
 _probe_cache: dict[str, bool] = {}
 
