@@ -10,7 +10,8 @@ requests exactly as to a client's. (A request that causes model calls of its own
   holder that dies leaves a key that stops working within `ttl_s`;
 - may call the inference routes (`/v1/chat/completions`, `/v1/completions`) and nothing else (files, jobs,
   evals, models, usage...): `deps.authenticate_person`, behind every other route's key check, refuses it;
-- is revoked when the work ends (`minted` does it on the way out, also when cancelled); a gateway that has
+- is revoked when the work ends (`minted` does it on the way out, also when cancelled), or when a reaper
+  takes the work back from a holder that died (`revoke_named`: the work names its key); a gateway that has
   it cached stops accepting it within `auth_cache_ttl_s`.
 
 Its usage rows carry its own `api_key_id`, so the usage API can tell an eval run's tokens from a person's.
@@ -65,6 +66,14 @@ async def renew(conn: Conn, key_id: str, *, ttl_s: float) -> bool:
 async def revoke(conn: Conn, key_id: str) -> None:
     """End a minted key now (its holder finished, or was found dead)."""
     await store.revoke_key(conn, key_id=key_id)
+
+
+async def revoke_named(conn: Conn, *, org_id: str, kind: str, name: str) -> list[str]:
+    """End every live key minted as `kind` and `name` for `org_id`: what a reaper does for work whose holder
+    died, since the key's id died with the holder. Returns the ids revoked."""
+    if kind not in KINDS:
+        raise ValueError(f"minted keys are of kind {' or '.join(KINDS)}, not {kind!r}")
+    return await store.revoke_minted(conn, org_id=org_id, kind=kind, name=name)
 
 
 @asynccontextmanager

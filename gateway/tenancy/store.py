@@ -59,6 +59,11 @@ SELECT k.id, k.organization_id, k.kind,
        extract(epoch FROM k.expires_at - now())::float8 AS expires_in_s
 FROM api_keys k
 WHERE k.digest = $1 AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())"""
+# Every live key minted for one piece of work, found by what `scoped.mint` named it (people's keys are of
+# kind `user`, so no name a person gives a key can match).
+REVOKE_MINTED = """
+UPDATE api_keys SET revoked_at = now()
+WHERE organization_id = $1 AND kind = $2 AND name = $3 AND revoked_at IS NULL RETURNING id"""
 # A minted key lives on while its holder renews it; a revoked one stays revoked.
 RENEW_KEY = """
 UPDATE api_keys SET expires_at = now() + make_interval(secs => $2)
@@ -102,6 +107,11 @@ async def list_keys(conn: Conn, *, org_id: str, kind: str | None = "user") -> li
 
 async def revoke_key(conn: Conn, *, key_id: str) -> KeyRow | None:
     return maybe_row_to(KeyRow, await conn.fetchrow(REVOKE_KEY, key_id))
+
+
+async def revoke_minted(conn: Conn, *, org_id: str, kind: str, name: str) -> list[str]:
+    """Revoke the organisation's live keys of `kind` named `name`; returns their ids."""
+    return [row["id"] for row in await conn.fetch(REVOKE_MINTED, org_id, kind, name)]
 
 
 async def renew_key(conn: Conn, *, key_id: str, ttl_s: float) -> bool:

@@ -29,6 +29,7 @@ from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.notices import Notices
 from gateway.queue import RUN_JOB, enqueue, make_queue
 from gateway.settings import Settings
+from gateway.tenancy import scoped
 from gateway.tinker import store as tinker_store
 from gateway.tinker.holder import Holder
 from gateway.tinker.housekeeping import tinker_housekeeping
@@ -37,6 +38,7 @@ from gateway.worker import presence, store
 from gateway.worker.context import JobContext
 from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
 from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
+from gateway.worker.job.process import key_name
 from gateway.worker.resilience import Worker
 from gateway.worker.runner import JobRun
 
@@ -159,11 +161,17 @@ async def requeue_missed(ctx: dict[str, Any]) -> int:
 
 
 async def reap_stale(ctx: dict[str, Any]) -> int:
-    """Take jobs back from workers that stopped heartbeating: re-queue them, or fail them after N attempts."""
+    """Take jobs back from workers that stopped heartbeating: revoke the keys minted for their trainers (a
+    trainer dies with its worker; the key would live on until it expires), then re-queue them, or fail them
+    after N attempts. Revoked first, so that the key of the job's next attempt is never among them."""
     settings: Settings = ctx["settings"]
     pool: asyncpg.Pool = ctx["pool"]
     reaped = 0
     for row in await store.stale(pool, after_s=settings.stale_after_s):
+        for key_id in await scoped.revoke_named(
+            pool, org_id=row.organization_id, kind="job", name=key_name(row.id)
+        ):
+            logger.info("job %s: revoked key %s of its lost worker %s", row.id, key_id, row.worker_id)
         if row.attempts >= settings.max_attempts:
             message = f"The job's worker was lost {row.attempts} times; giving up."
             error = {"code": "max_attempts_exceeded", "param": None, "message": message}

@@ -15,8 +15,9 @@ A job whose grader calls a model (`score_model`, `label_model`) gets a key minte
 gateway's own `/v1/chat/completions` with it (`inference_base_url` in the spec, the key in the trainer's
 environment, `trainer.spec.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
 organisation's, and its calls are rate-limited, held to the budget and metered under the key's id. The
-heartbeat renews the key; it is revoked when the trainer ends, and expires within `KEY_TTL_S` when the worker
-dies first.
+heartbeat renews the key; it is revoked when the trainer ends (however it ends), and by the reaper that takes
+the job back from a worker that died first (`gateway.worker.main.reap_stale`, which finds it by its name,
+`key_name`); a key nobody revoked expires within `KEY_TTL_S`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ logger = logging.getLogger(__name__)
 KEY_TTL_S = 300.0
 """Life of a job's key between renewals (the heartbeat renews it every third of that)."""
 _PR_SET_PDEATHSIG = 1
+
+
+def key_name(job_id: str) -> str:
+    """The name of the keys minted for a job's trainers (the reaper revokes them by it)."""
+    return f"job {job_id}"
+
 
 TRAINER_ENV_PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH")
 """Host variables the trainer gets as they are (with those of `TRAINER_ENV_PREFIXES`)."""
@@ -170,16 +177,21 @@ class TrainerProcess:
         if not with_key:
             return await self._run(spec, trainer_env(self.workdir), record)
         key = await scoped.mint(
-            self.ctx.pool, org_id=self.ctx.org_id, kind="job", name=f"job {self.ctx.id}", ttl_s=KEY_TTL_S
+            self.ctx.pool, org_id=self.ctx.org_id, kind="job", name=key_name(self.ctx.id), ttl_s=KEY_TTL_S
         )
         self.key_id, self.key_renewed = key.id, time.monotonic()
         try:
             return await self._run(spec, trainer_env(self.workdir, key.secret), record)
         finally:
             self.key_id = None
+            revoking = until_database_answers(
+                functools.partial(scoped.revoke, self.ctx.pool, key.id),
+                what=f"job {self.ctx.id}: revoking its key",
+                within_s=self.ctx.settings.stale_after_s,
+            )
             try:
-                await asyncio.shield(scoped.revoke(self.ctx.pool, key.id))
-            except (OSError, asyncpg.PostgresError) as exc:  # it expires within KEY_TTL_S anyway
+                await asyncio.shield(revoking)
+            except (OSError, asyncpg.PostgresError) as exc:  # the reaper or KEY_TTL_S ends it then
                 logger.warning("job %s: could not revoke its key %s: %s", self.ctx.id, key.id, exc)
 
     async def _run(
