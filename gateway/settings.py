@@ -204,6 +204,14 @@ class Settings(BaseSettings):
     tinker_budget_pause_s: int = Field(default=600, ge=0)
     """How long the Tinker SDK holds a training loop whose organisation's monthly budget is spent (retrying,
     so that raising the budget lets it go on) before it raises `BillingError`."""
+    tinker_max_hold_s: float = Field(default=600.0, gt=0)
+    """How long a worker keeps a Tinker training model on its training slot while other work (a queued job,
+    another model) waits for one and the fair order puts it first: past it, the model is saved (adapter and
+    optimizer) once the request in hand is answered and lets the slot go; its next request waits its turn
+    and loads that state. Counted from when the model was taken, busy or idle, optimizer steps included."""
+    tinker_yield_idle_s: float = Field(default=60.0, gt=0)
+    """A Tinker training model with no request for this long lets its slot go as soon as other work waits
+    for one, as at `tinker_max_hold_s` (with nothing waiting, `tinker_idle_timeout_s` applies)."""
     worker_alive_after_s: float = Field(default=10.0, gt=0)
     """A worker that has not stamped its presence in Redis for this long counts as gone (`/readyz`,
     `tunegate_workers_alive`); workers stamp every `heartbeat_interval_s`."""

@@ -7,8 +7,11 @@ in `seq` order, writing each result to its row. While it holds the model it beat
 stops beating for `stale_after_s` is lost (`gateway.tinker.service` fails its requests, so the SDK raises
 instead of waiting). A model idle for `tinker_idle_timeout_s`, or with no open request once its session's
 client reported it finished, is saved (adapter and optimizer) and let go; its next request starts a
-process that loads that state first. A training process that dies fails the model's open requests with
-its last log line and marks the model lost: the client goes on from its last saved state
+process that loads that state first. A model does not keep the slot from others: once it has held it for
+`tinker_max_hold_s` (busy or not), or been idle for `tinker_yield_idle_s`, while work that the claim's fair
+order puts first waits for a device, it is saved and let go the same way after the request in hand, and its
+requests wait their turn (`gateway.worker.store.FAIREST`). A training process that dies fails the model's
+open requests with its last log line and marks the model lost: the client goes on from its last saved state
 (`create_training_client_from_state`).
 """
 
@@ -27,15 +30,18 @@ from typing import Any
 
 import asyncpg
 import orjson
+from arq.connections import ArqRedis
 
 from gateway.blobstore import BlobStore
 from gateway.notices import Notices
+from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.tinker import store, wire
-from gateway.tinker.paths import SEGMENT, checkpoint_key, served_model_id, tinker_path
+from gateway.tinker.paths import RUN_TINKER_MODEL, SEGMENT, checkpoint_key, served_model_id, tinker_path
 from gateway.tinker.rows import RequestRow, TrainingModelRow
-from gateway.worker.devices import Device, confine
+from gateway.worker import store as worker_store
+from gateway.worker.devices import Device, DevicePool, confine, generation_devices
 from gateway.worker.job.process import die_with_parent, trainer_env
 
 logger = logging.getLogger(__name__)
@@ -119,6 +125,11 @@ class Holder:
         self.notices: Notices = ctx["notices"]
         self.workdir = self.blobs.root / "work" / "tinker" / self.model_id.replace(":", "_")
         self.process = TrainingProcess(self.workdir, device)
+        self.devices: DevicePool = ctx["devices"]
+        """The worker's devices: whether waiting work needs this model's (`_others_first`)."""
+        self.queue: ArqRedis | None = ctx.get("redis")
+        """Where a model let go with requests open gets its wake-up."""
+        self._next_look = 0.0
 
     async def run(self) -> str:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -158,27 +169,80 @@ class Holder:
                 logger.warning("tinker model %s: beat failed: %s", self.model_id, exc)
 
     async def _serve(self) -> str:
-        idle_since = time.monotonic()
+        taken = idle_since = time.monotonic()
         while True:
             with self.notices.watching(store.REQUEST_CHANNEL, self.model_id) as queued:  # before the read
                 req = await store.next_request(self.pool, model_id=self.model_id)
-                idle = req is None and time.monotonic() - idle_since >= self.settings.tinker_idle_timeout_s
+                now = time.monotonic()
+                idle = req is None and now - idle_since >= self.settings.tinker_idle_timeout_s
                 if req is None and not idle:
+                    if await self._others_first(held_s=now - taken, idle_s=now - idle_since):
+                        return await self._let_go_for_others(now - taken)
                     if not await store.session_finished(self.pool, model_id=self.model_id):
                         # woken by the next request; reads again at least every RECHECK_S (a finished
-                        # session, a lost notice)
+                        # session, a lost notice, work that waits for this slot)
                         await self.notices.wait(queued, RECHECK_S)
                         continue
             if req is None:
-                key = checkpoint_key(self.org_id, self.model_id, "idle", "resume")
-                saved = await self._save("save_state", key, optimizer=True)
+                saved = await self._save_to_resume()
                 if await store.release(
                     self.pool, model_id=self.model_id, worker_id=self.worker_id, resume_path=saved
                 ):
+                    await self._wake_if_asked()
                     return "idle"
                 continue
             idle_since = time.monotonic()
             await self._answer(req)
+            if await self._others_first(held_s=time.monotonic() - taken, idle_s=0.0):
+                return await self._let_go_for_others(time.monotonic() - taken)
+
+    async def _others_first(self, *, held_s: float, idle_s: float) -> bool:
+        """Whether this model should let its slot go now: it has held it for `tinker_max_hold_s`, or been idle
+        for `tinker_yield_idle_s`, and work that waits for a device (a queued job, another model) would have
+        this one's first by the claim's fair order. Busy or idle, every request counts toward the hold, so a
+        client that keeps sending cheap ones (optimizer steps) does not keep the slot from others. Asked at
+        most every RECHECK_S."""
+        settings = self.settings
+        if held_s < settings.tinker_max_hold_s and idle_s < settings.tinker_yield_idle_s:
+            return False
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + RECHECK_S
+        free = len(self.devices.free)
+        generation = generation_devices(settings, "reinforcement")
+        if free and await worker_store.fairest(self.pool, free=free, generation=generation) is not None:
+            return False  # it fits the devices free here: this worker takes it without this one's
+        first = await worker_store.fairest(
+            self.pool, free=free + 1, generation=generation, holding=self.model_id
+        )
+        return first is not None and first != worker_store.Work("tinker", self.model_id)
+
+    async def _let_go_for_others(self, held_s: float) -> str:
+        """Save the model (adapter and optimizer, as when idle) and give its slot to the work that waits; its
+        open and later requests wait for the next holder, which loads that state first."""
+        saved = await self._save_to_resume()
+        if not await worker_store.hand_back_model(
+            self.pool, model_id=self.model_id, worker_id=self.worker_id, resume_path=saved
+        ):
+            return "lost"  # taken from this worker meanwhile (its beat was late): nothing of it is here
+        logger.info("tinker model %s let its slot go after %.0f s for work that waits", self.model_id, held_s)
+        await self._wake_if_asked()
+        return "yielded"
+
+    async def _save_to_resume(self) -> str:
+        """Save the model's adapter and optimizer where its next holder resumes from; returns the path."""
+        key = checkpoint_key(self.org_id, self.model_id, "idle", "resume")
+        return await self._save("save_state", key, optimizer=True)
+
+    async def _wake_if_asked(self) -> None:
+        """After the model was let go: when a request of it is open (it came while the model was let go, or
+        the model was let go for others with requests queued), a worker's wake-up, as the API sends one for
+        a request of a model no worker holds. Read after the release, so none falls between the two."""
+        if await worker_store.model_asked(self.pool, model_id=self.model_id):
+            await enqueue(
+                self.queue, self.settings.queue_name, self.model_id, time.time_ns(), function=RUN_TINKER_MODEL
+            )
 
     async def _save(self, op: str, key: str, *, optimizer: bool = False) -> str:
         temp = self.blobs.new_temp()

@@ -37,7 +37,9 @@ class StaleJob:
 # The fairest work that fits the free devices, of both kinds a worker runs on its devices: queued jobs and
 # Tinker training models waiting for a holder (open requests, no worker). The organisation with the fewest
 # running jobs and held models first, then the one that started either least recently, then the work that
-# has waited longest.
+# has waited longest. $3, when not null, is a held model whose holder asks whether to let its slot go
+# (`gateway.tinker.holder`): it is ranked as if it waited, had just been taken (as `HAND_BACK_MODEL` records
+# it), and had waited least of all.
 FAIREST = """
 WITH work AS (
     SELECT 'job' AS kind, j.id, j.organization_id, j.queued_at AS since, j.seq
@@ -52,19 +54,32 @@ WITH work AS (
           WHERE status IN ('pending', 'running') AND model_id IS NOT NULL GROUP BY model_id) w
     JOIN tinker_models m ON m.id = w.model_id
     WHERE m.worker_id IS NULL AND m.lost IS NULL AND $1 >= 1
+    UNION ALL
+    SELECT 'tinker', m.id, m.organization_id, now(), m.seq FROM tinker_models m WHERE m.id = $3::text
 )
 SELECT w.kind, w.id FROM work w
 ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
           WHERE r.organization_id = w.organization_id AND r.status = 'running')
          + (SELECT count(*) FROM tinker_models t
-            WHERE t.organization_id = w.organization_id AND t.worker_id IS NOT NULL),
+            WHERE t.organization_id = w.organization_id AND t.worker_id IS NOT NULL
+              AND t.id IS DISTINCT FROM $3::text),
          greatest((SELECT max(r.started_at) FROM fine_tuning_jobs r
                    WHERE r.organization_id = w.organization_id),
                   (SELECT max(t.held_at) FROM tinker_models t
-                   WHERE t.organization_id = w.organization_id))
+                   WHERE t.organization_id = w.organization_id),
+                  (SELECT now() FROM tinker_models t
+                   WHERE t.id = $3::text AND t.organization_id = w.organization_id))
              NULLS FIRST,
          w.since, w.seq
 LIMIT 1"""
+# A held Tinker model lets its slot go for waiting work (`gateway.tinker.holder`), open requests or not. Its
+# `held_at` becomes now, so that the claims that follow rank it as `FAIREST` did with the model as $3: after
+# the work it let go for.
+HAND_BACK_MODEL = """
+UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = $3, held_at = now()
+WHERE id = $1 AND worker_id = $2 RETURNING id"""
+MODEL_ASKED = """
+SELECT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))"""
 CLAIM = """
 UPDATE fine_tuning_jobs j
 SET status = 'running', worker_id = $2, heartbeat_at = now(), attempts = j.attempts + 1,
@@ -138,10 +153,24 @@ class Work:
     id: str
 
 
-async def fairest(conn: Conn, *, free: int, generation: int = 0) -> Work | None:
+async def fairest(conn: Conn, *, free: int, generation: int = 0, holding: str | None = None) -> Work | None:
     """The fairest work that fits `free` devices (a reinforcement job takes `generation` more, a Tinker
-    model one device), across organisations as `FAIREST` orders it; None when nothing waits."""
-    return maybe_row_to(Work, await conn.fetchrow(FAIREST, free, generation))
+    model one device), across organisations as `FAIREST` orders it; None when nothing waits. `holding`: a
+    held model that would give its device back (counted in `free`), ranked among the waiting work as if it
+    had just been taken; it is the answer when nothing else should have its device first."""
+    return maybe_row_to(Work, await conn.fetchrow(FAIREST, free, generation, holding))
+
+
+async def hand_back_model(conn: Conn, *, model_id: str, worker_id: str, resume_path: str) -> bool:
+    """Let a held Tinker model go for work that waits, with its state saved at `resume_path`, whether or not
+    requests of it are open (they wait for its next holder, which loads that state first). False when this
+    worker no longer holds it."""
+    return await conn.fetchval(HAND_BACK_MODEL, model_id, worker_id, resume_path) is not None
+
+
+async def model_asked(conn: Conn, *, model_id: str) -> bool:
+    """Whether requests of a Tinker model are open (so, once let go, it needs a wake-up of its own)."""
+    return bool(await conn.fetchval(MODEL_ASKED, model_id))
 
 
 async def claim(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
