@@ -27,7 +27,7 @@ from gateway.worker import store
 from gateway.worker.store import Work
 from tests.support.data import HELLO_SFT
 from tests.support.fixtures import gateway_fixture
-from tests.support.jobs import long_sft_job, wait_for
+from tests.support.jobs import FINAL_STATES, long_sft_job, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
 
 BOUND_S = 3.0
@@ -103,6 +103,13 @@ def assert_let_go_for(gw: GatewayServer, tc: tinker.TrainingClient, other: Tenan
     assert wait_for(other, job_id, timeout=120).status == "cancelled"
 
 
+def leave_no_job(t: Tenant, job_id: str | None) -> None:
+    """Cancel the job unless it ended: a queued or running one would take the slot of the next test's
+    worker (the tests share a database)."""
+    if job_id is not None and t.client.fine_tuning.jobs.retrieve(job_id).status not in FINAL_STATES:
+        t.client.fine_tuning.jobs.cancel(job_id)
+
+
 @pytest.mark.timeout(900)
 def test_a_busy_model_lets_the_slot_go_after_the_bound(
     gw: GatewayServer, gw_admin: Admin, tmp_path: Path
@@ -116,10 +123,12 @@ def test_a_busy_model_lets_the_slot_go_after_the_bound(
         TUNEGATE_TINKER_MAX_HOLD_S=str(BOUND_S),
         TUNEGATE_TINKER_YIELD_IDLE_S=NEVER_S,
     )
+    job_id = None
     try:
         service = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + a.key)
         tc, before = trained_model(service)
         job = long_sft_job(b, HELLO_SFT, steps=200)
+        job_id = job.id
         still = types.AdamParams(learning_rate=0.0)  # a step that changes no weight
         deadline = time.monotonic() + WAIT_S
         answered = 0
@@ -144,6 +153,7 @@ def test_a_busy_model_lets_the_slot_go_after_the_bound(
         again = tc.forward_backward(DATA, "cross_entropy").result(timeout=300)
         same_weights(again, before)  # the state it was saved with, weights and all
     finally:
+        leave_no_job(b, job_id)
         worker.stop()
 
 
@@ -160,10 +170,12 @@ def test_an_idle_model_lets_the_slot_go_when_work_waits(
         TUNEGATE_TINKER_MAX_HOLD_S=NEVER_S,
         TUNEGATE_TINKER_YIELD_IDLE_S=str(BOUND_S),
     )
+    job_id = None
     try:
         service = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + a.key)
         tc, before = trained_model(service)
         job = long_sft_job(b, HELLO_SFT, steps=200)
+        job_id = job.id
         wait_for(b, job.id, states=("running",), timeout=WAIT_S)
         assert_let_go_for(gw, tc, b, job.id)
         out = tc.forward_backward(DATA, "cross_entropy").result(timeout=300)
@@ -171,6 +183,7 @@ def test_an_idle_model_lets_the_slot_go_when_work_waits(
         step = tc.optim_step(types.AdamParams(learning_rate=0.02)).result(timeout=300)
         assert step is not None
     finally:
+        leave_no_job(b, job_id)
         worker.stop()
 
 
