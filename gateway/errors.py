@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -148,14 +150,55 @@ def error_response(exc: APIError, request_id: str | None = None) -> JSONResponse
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def _validation_param(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    if not parts:
-        return None
-    out = parts[0]
-    for p in parts[1:]:
-        out += f"[{p}]" if p.isdigit() else f".{p}"
-    return out
+_REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})
+"""Where FastAPI found a parameter: the first item of its errors' locations, no part of the field's path."""
+
+
+def _validation_param(loc: Sequence[Any], root: str = "") -> str | None:
+    """A pydantic error's location as the field path OpenAI's `param` gives (`messages[2].content`), under
+    `root` (the path of the object that was validated); where a request part (`body`, `query`, ...) leads
+    the location, it is left out."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] in _REQUEST_PARTS:
+        parts = parts[1:]
+    out = root
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or None
+
+
+def validation_text(text: str) -> str:
+    """A pydantic error's `msg` as the end of one sentence: on one line, its `Value error, ` prefix and
+    closing period dropped, lower-cased where it starts with pydantic's `Input`/`Field`/`Value`."""
+    text = " ".join(text.split()).removeprefix("Value error, ").removeprefix("Assertion failed, ").rstrip(".")
+    if text.split(" ", 1)[0] in ("Input", "Field", "Value"):
+        text = text[0].lower() + text[1:]
+    return text
+
+
+def validation_failure(errors: Sequence[Mapping[str, Any]], *, root: str = "") -> InvalidRequest:
+    """The one mapping of pydantic's complaints (a `ValidationError`'s or FastAPI's `RequestValidationError`'s
+    `errors()`) to a 400: the first problem, `param` the path of the field at fault under `root`, `message`
+    one sentence that names it. Never pydantic's whole report (it lists every branch of a union, inputs and
+    documentation links)."""
+    first: Mapping[str, Any] = errors[0] if errors else {}
+    kind = str(first.get("type", ""))
+    loc = tuple(first.get("loc", ()))
+    if kind == "json_invalid":  # FastAPI puts the character offset where the field would be
+        ctx = first.get("ctx") or {}
+        detail = f" ({validation_text(str(ctx['error']))})" if ctx.get("error") else ""
+        return InvalidRequest(
+            f"The request body is not valid JSON{detail}.", param=root or None, code="invalid_json"
+        )
+    param = _validation_param(loc, root)
+    named = f"'{param}'" if param else "the request body"
+    if kind == "missing":
+        message = f"Missing required parameter: {named}."
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized parameter: {named}."
+    else:
+        message = f"Invalid value for {named}: {validation_text(str(first.get('msg') or 'invalid'))}."
+    return InvalidRequest(message, param=param, code="invalid_value")
 
 
 _VALUE_ERRNOS = frozenset({errno.EOVERFLOW, errno.ERANGE, errno.EDOM})
@@ -185,7 +228,13 @@ def map_infrastructure_error(exc: BaseException) -> APIError | None:
             "A value in the request is out of range, or holds characters the database cannot store.",
             code="invalid_value",
         )
-    if isinstance(
+    # PostgreSQL refusing new connections is an outage too: too many clients, or a database closed to
+    # connections (`ALLOW_CONNECTIONS false`, as for maintenance), which it reports as SQLSTATE 55000 itself
+    # (its subclasses, a lock not available and the like, are not).
+    refused = isinstance(exc, asyncpg.TooManyConnectionsError) or (
+        type(exc) is asyncpg.ObjectNotInPrerequisiteStateError
+    )
+    if refused or isinstance(
         exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError | asyncpg.CannotConnectNowError
     ):
         return ServiceUnavailable(
@@ -214,12 +263,7 @@ def as_api_error(exc: Exception, method: str, path: str) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "Invalid request."}
-        param = _validation_param(tuple(first.get("loc", ())))
-        msg = str(first.get("msg", "Invalid request."))
-        message = f"Invalid value for '{param}': {msg}" if param else msg
-        return InvalidRequest(message, param=param, code="invalid_value")
+        return validation_failure(exc.errors())
     if isinstance(exc, StarletteHTTPException):
         mapped: APIError
         if exc.status_code == 404:
@@ -240,11 +284,47 @@ def as_api_error(exc: Exception, method: str, path: str) -> APIError:
     return APIError("The server had an error while processing your request.")
 
 
+class AnswerErrors:
+    """Middleware under Starlette's outermost layer: an exception no route handler took (anything but an
+    `APIError`, a validation error or an HTTP exception: a lost database, a bug) is answered here, through
+    the mapper, and goes no further.
+
+    Starlette's outermost layer (`ServerErrorMiddleware`, where an `Exception` handler lands) answers it
+    too, but then raises it again for the server to log, and uvicorn closes the connection of a request
+    whose app raised: a kept-alive client lost its next request on that connection, to a reset when the
+    request's body was still unread. An exception once the response has started still goes up: that
+    response cannot be completed, and only closing the connection tells the client so."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            await error_response(as_api_error(exc, scope["method"], scope["path"]))(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Route every exception through the one mapper."""
+    """Route every exception through the one mapper: the handlers of the exceptions routes raise on
+    purpose, `AnswerErrors` for the rest, and an `Exception` handler as the net under middleware that
+    sits above it."""
 
     async def on_error(request: Request, exc: Exception) -> Response:
         return error_response(as_api_error(exc, request.method, request.url.path))
 
     for kind in (APIError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, on_error)
+    app.add_middleware(AnswerErrors)

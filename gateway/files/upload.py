@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import anyio
+from python_multipart.exceptions import ParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from gateway.errors import InvalidRequest, PayloadTooLarge
@@ -123,7 +124,8 @@ async def receive_upload(
 ) -> ReceivedUpload:
     """Parse a multipart body, writing its `file` part to `temp_path`.
 
-    Raises 400 for a body that is not multipart or has no file, 413 once the file passes `max_bytes`.
+    Raises 400 for a body that is not multipart (or not well-formed) or has no file, 413 once the file
+    passes `max_bytes`.
     On any error the temporary file is removed.
     """
     ctype, params = parse_options_header(content_type or "")
@@ -154,6 +156,11 @@ async def receive_upload(
         parser.finalize()
         await state.flush(force=True)
         state.finish()
+    except ParseError as exc:
+        state.abort()
+        raise InvalidRequest(
+            f"The upload is not a well-formed multipart/form-data body ({exc}).", param="file"
+        ) from None
     except BaseException:
         state.abort()
         raise
