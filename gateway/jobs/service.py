@@ -41,7 +41,7 @@ from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
 from gateway.worker import store as worker_store
 from gateway.worker.devices import generation_devices
-from trainer.spec import Hyperparameters, devices_for, model_defaults, total_steps
+from trainer.spec import AnyHyperparameters, Hyperparameters, devices_for, model_defaults, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ async def create(
 ) -> FineTuningJob:
     """Validate the request, insert the job, check its files row by row, and queue it (its `"auto"`
     hyperparameters resolved from the files). A file that does not fit the method fails the job (it stays
-    listed with its error). With an `Idempotency-Key`, the same body answers the same job."""
+    listed with its error). With an `Idempotency-Key`, the same body answers the same job; an empty one is
+    no key (it names nothing to replay, and stored it would collide with the organisation's next)."""
+    idempotency_key = idempotency_key or None
     request_hash = _request_hash(body)
     replayed = await _replayed(res, who, idempotency_key, request_hash)
     if replayed is not None:
@@ -79,12 +81,18 @@ async def create(
     row = await _insert(res, who, body, spec, idempotency_key, request_hash)
     if row is None:  # a concurrent create with the same key was first
         replayed = await _replayed(res, who, idempotency_key, request_hash)
-        assert replayed is not None
+        if replayed is None:  # and its job is gone already: nothing to replay, nothing made
+            raise Conflict(
+                "Another request with this Idempotency-Key was being processed; retry the request.",
+                param="Idempotency-Key",
+                code="idempotency_conflict",
+            )
         return replayed
     events = JobEvents(res.pool, row.id, who.organization_id)
     await events.add(f"Created fine-tuning job: {row.id}", "created")
     try:
         summaries = await _check_files(res, events, body, spec.type, files)
+        spec.hyperparameters = _resolve_for_files(res, body, spec, summaries)
     except FileRejected as exc:
         return await _fail_validation(res, events, row, body, exc)
     return await _queue(res, events, row, body, spec, summaries)
@@ -126,6 +134,8 @@ async def _insert(
             request_hash=request_hash,
         )
     except asyncpg.UniqueViolationError:
+        if idempotency_key is None:  # no key to collide on: not a concurrent create
+            raise
         return None
 
 
@@ -140,6 +150,23 @@ async def _check_files(
     ]
 
 
+def _resolve_for_files(
+    res: Resources, body: JobCreate, spec: MethodSpec, summaries: list[DatasetSummary]
+) -> AnyHyperparameters:
+    """The hyperparameters resolved from the files' sizes. What only the files' sizes make impossible (a
+    reinforcement batch larger than the training file) rejects the training file: the job fails with the
+    reason, as for a row that does not fit, and is not left validating."""
+    try:
+        return resolve_hyperparameters(
+            spec,
+            summaries[0],
+            summaries[1] if len(summaries) > 1 else None,
+            res.settings.base_model_path(body.model),
+        )
+    except InvalidRequest as exc:
+        raise FileRejected("training_file", exc.message) from None
+
+
 async def _queue(
     res: Resources,
     events: JobEvents,
@@ -148,13 +175,7 @@ async def _queue(
     spec: MethodSpec,
     summaries: list[DatasetSummary],
 ) -> FineTuningJob:
-    """Resolve the hyperparameters from the files, store them with the job's steps, and queue the job."""
-    spec.hyperparameters = resolve_hyperparameters(
-        spec,
-        summaries[0],
-        summaries[1] if len(summaries) > 1 else None,
-        res.settings.base_model_path(body.model),
-    )
+    """Store the resolved hyperparameters with the job's steps, and queue the job."""
     hp = spec.hyperparameters
     assert isinstance(hp, Hyperparameters)
     steps = total_steps(spec.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
@@ -200,7 +221,7 @@ async def _check_devices(res: Resources, spec: MethodSpec, model: str) -> None:
         raise InvalidRequest(
             f"This job needs {gpus + generation} devices ({gpus} for training{also}), but the largest "
             f"worker has {largest}.",
-            param=f"method.{spec.type}.hyperparameters.gpus",
+            param=f"{spec.param}.gpus",
             code="too_many_devices",
         )
 

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from envsdk.graders import GraderError, validate_grader
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, validation_failure, validation_text
 from gateway.files.validation import read_rows
 from trainer.spec import (
     METHODS,
@@ -39,6 +39,12 @@ class MethodSpec:
     """A `trainer.spec.REQUEST` model (may hold "auto") until resolved, then the method's resolved model."""
     grader: dict[str, Any] | None = None
     environment: dict[str, Any] | None = None
+    param: str = ""
+    """Where the request gave the hyperparameters: `method.<type>.hyperparameters`, or the legacy top-level
+    `hyperparameters` (errors name the field where the client wrote it)."""
+
+    def __post_init__(self) -> None:
+        self.param = self.param or f"method.{self.type}.hyperparameters"
 
 
 def check_suffix(suffix: str | None) -> None:
@@ -99,7 +105,8 @@ def check_grader(grader: Any, param: str) -> None:
 def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> MethodSpec:
     """The method of a create; legacy top-level `hyperparameters` mean supervised."""
     if method is None:
-        return MethodSpec("supervised", check_hyperparameters("supervised", legacy or {}, "hyperparameters"))
+        hp = check_hyperparameters("supervised", legacy or {}, "hyperparameters")
+        return MethodSpec("supervised", hp, param="hyperparameters")
     if not isinstance(method, dict):
         raise InvalidRequest("method must be an object.", param="method")
     kind = method.get("type")
@@ -202,6 +209,31 @@ def check_training_file(path: Path, kind: str, *, max_line_bytes: int) -> Datase
     return DatasetSummary(rows, chars)
 
 
+DERIVED_FROM = {"learning_rate": "learning_rate_multiplier", "learning_rate_multiplier": "learning_rate"}
+"""Hyperparameters that `"auto"` computes from another one the request gives: a resolved value out of its
+range is the given one's fault, and the error names that one."""
+
+
+def _resolved_error(exc: ValidationError, spec: MethodSpec) -> InvalidRequest:
+    """The 400 for a resolved value its model refuses. `param` names the field the client can change: the
+    one it gave, when the refused value was computed from it (a `learning_rate_multiplier` so large that
+    the learning rate it gives passes 1)."""
+    prefix = spec.param
+    error = exc.errors()[0]
+    name = str(error["loc"][0]) if error["loc"] else ""
+    given = spec.hyperparameters.model_dump()
+    source = DERIVED_FROM.get(name)
+    if source is not None and given.get(name) == "auto" and isinstance(given.get(source), int | float):
+        value, resolved = float(given[source]), float(error["input"])
+        rule = validation_text(str(error["msg"])).removeprefix("input ")  # "should be less than ..."
+        return InvalidRequest(
+            f"A {source} of {value:g} gives this model a {name} of {resolved:g}, which {rule}.",
+            param=f"{prefix}.{source}",
+            code="invalid_value",
+        )
+    return validation_failure(exc.errors(), root=prefix)
+
+
 def resolve_hyperparameters(
     spec: MethodSpec, summary: DatasetSummary, validation: DatasetSummary | None, model_path: Path
 ) -> AnyHyperparameters:
@@ -209,8 +241,8 @@ def resolve_hyperparameters(
     data = DataSummary(rows=summary.rows, validation_rows=validation.rows if validation else None)
     try:
         return resolve(spec.type, spec.hyperparameters, data, model_defaults(model_path))
+    except ValidationError as exc:  # a resolved value out of its range (a ValueError too: caught first)
+        raise _resolved_error(exc, spec) from None
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
-        raise InvalidRequest(
-            f"{name}: {message}.", param=f"method.{spec.type}.hyperparameters.{name}"
-        ) from None
+        raise InvalidRequest(f"{name}: {message}.", param=f"{spec.param}.{name}") from None

@@ -2,7 +2,8 @@
 
 NUL bytes, integers beyond 64 bits, NaN and Infinity, unpaired surrogates, deep nesting, out-of-range times,
 malformed environment tasks and answers, absurd budgets and token counts, uploads over the cap, archive
-header bombs; and error bodies stay small whatever the input.
+header bombs, empty idempotency keys, hyperparameters out of range once resolved; and error bodies stay
+small whatever the input, their `message` one sentence.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import io
+import json
 import socket
 import tarfile
 from pathlib import Path
@@ -21,8 +23,10 @@ import openai
 import pytest
 
 from envsdk.archive import pack
+from tests.support.data import BASE, HELLO_SFT, RFT, SAYS_YES
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
+from trainer.spec import base_learning_rate, model_defaults
 
 MESSAGES: Any = [{"role": "user", "content": "Say hi."}]
 JOB = {"model": "tiny-chat", "training_file": "file-x"}
@@ -335,3 +339,90 @@ def test_environment_runs_refuse_malformed_tasks_and_survive_non_numeric_rewards
         answer = api.post("/v1/fine_tuning/alpha/environments/run", json=run)
     assert answer.status_code == 200, answer.text
     assert answer.json()["reward"] is None and "number" in answer.json()["error"]
+
+
+# ------------------------------------------------------------------------------------------------- jobs
+def _training_file(t: Tenant, rows: list[dict[str, Any]]) -> str:
+    data = "\n".join(json.dumps(r) for r in rows).encode()
+    return t.client.files.create(file=("train.jsonl", data), purpose="fine-tune").id
+
+
+def test_an_empty_idempotency_key_is_no_key(stack: GatewayServer, tenant: Tenant) -> None:
+    """An empty `Idempotency-Key` names nothing to replay: each create makes its own job, the first as
+    well as the second (which once failed on the first's stored empty key), and real keys still replay."""
+    body = {"model": "tiny-chat", "training_file": _training_file(tenant, HELLO_SFT)}
+    with http(stack, tenant.key) as api:
+        made = [api.post(JOBS, json=body, headers={"Idempotency-Key": ""}) for _ in range(3)]
+        assert [m.status_code for m in made] == [200] * 3, [m.text[:300] for m in made]
+        assert len({m.json()["id"] for m in made}) == 3
+        keyed = [api.post(JOBS, json=body, headers={"Idempotency-Key": "k-1"}) for _ in range(2)]
+        assert [k.status_code for k in keyed] == [200, 200]
+        assert keyed[0].json()["id"] == keyed[1].json()["id"] not in {m.json()["id"] for m in made}
+
+
+@pytest.mark.parametrize(
+    ("where", "param"),
+    [
+        ("method", "method.supervised.hyperparameters.learning_rate_multiplier"),
+        ("legacy", "hyperparameters.learning_rate_multiplier"),
+    ],
+)
+def test_a_refused_learning_rate_multiplier_names_its_field_in_one_sentence(
+    stack: GatewayServer, tenant: Tenant, where: str, param: str
+) -> None:
+    """A multiplier within its own range whose learning rate for the model passes 1: a 400 naming the
+    multiplier, the field the client wrote, with one sentence that says why."""
+    hp = {"learning_rate_multiplier": 10_000}
+    fields: dict[str, Any] = (
+        {"method": {"type": "supervised", "supervised": {"hyperparameters": hp}}}
+        if where == "method"
+        else {"hyperparameters": hp}
+    )
+    body = {"model": "tiny-chat", "training_file": _training_file(tenant, HELLO_SFT), **fields}
+    rate = 10_000 * base_learning_rate("supervised", model_defaults(stack.settings.base_model_path(BASE)))
+    with http(stack, tenant.key) as api:
+        error = refused(api.post(JOBS, json=body), param)
+    assert error == {
+        "message": f"A learning_rate_multiplier of 10000 gives this model a learning_rate of {rate:g}, "
+        "which should be less than or equal to 1.",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "invalid_value",
+    }
+    assert tenant.client.fine_tuning.jobs.list().data == []
+
+
+def test_hyperparameters_only_the_file_makes_impossible_fail_the_job(
+    stack: GatewayServer, tenant: Tenant
+) -> None:
+    """A reinforcement batch larger than the training file fails the job with the reason, as a row that
+    does not fit does; the job is never left validating."""
+    method: Any = {
+        "type": "reinforcement",
+        "reinforcement": {"grader": SAYS_YES, "hyperparameters": {"batch_size": 5}},
+    }
+    job = tenant.client.fine_tuning.jobs.create(
+        model=BASE, training_file=_training_file(tenant, RFT[:2]), method=method
+    )
+    assert job.status == "failed" and job.error is not None
+    assert (job.error.code, job.error.param) == ("invalid_training_file", "training_file")
+    assert job.error.message == (
+        f"Training file {job.training_file}: batch_size: 5 prompts a step, but the file has 2."
+    )
+    assert [j.status for j in tenant.client.fine_tuning.jobs.list().data] == ["failed"]
+
+
+def test_request_validation_errors_name_the_field_in_one_sentence(
+    stack: GatewayServer, tenant: Tenant
+) -> None:
+    with http(stack, tenant.key) as api:
+        error = refused(api.get("/v1/files", params={"limit": "many"}), "limit")
+        assert error["message"] == (
+            "Invalid value for 'limit': input should be a valid integer, unable to parse string as an "
+            "integer."
+        )
+        error = refused(api.post("/v1/evals", json={"testing_criteria": []}), "data_source_config")
+        assert error["message"] == "Missing required parameter: 'data_source_config'."
+        error = refused(post_raw(api, "/v1/evals", b'{"name": "x",'), None)
+        assert (error["param"], error["code"]) == (None, "invalid_json")
+        assert error["message"].startswith("The request body is not valid JSON (")
