@@ -9,6 +9,7 @@ Every refusal is an `InvalidRequest` whose `param` names the field, in OpenAI's 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,12 @@ def check_data_source_config(config: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequest(
             "data_source_config.item_schema must be a JSON schema object.",
             param="data_source_config.item_schema",
+        )
+    required = item_schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise InvalidRequest(
+            "data_source_config.item_schema.required must be a list of property names.",
+            param="data_source_config.item_schema.required",
         )
     with_sample = config.get("include_sample_schema", False)
     if not isinstance(with_sample, bool):
@@ -314,12 +321,14 @@ def rows_of_content(content: list[Any]) -> list[Row]:
     return rows
 
 
-def rows_of_file(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH) -> list[Row]:
-    """The rows of a JSONL file (blocking: run in a thread). A line is `{"item": {...}, "sample"?: {...}}`
-    as OpenAI writes them, or a bare item (a fine-tuning file's rows can be evaluated as they are). An
-    `evals` upload is not checked on upload: a line that is not a JSON object, or breaks the gateway's JSON
-    rules (`gateway.wire`), is a 400 naming it."""
-    rows = []
+def iter_rows_of_file(
+    path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH
+) -> Iterator[Row]:
+    """The rows of a JSONL file, one at a time as the file is read (blocking: iterate in a thread), so that a
+    file of any size is checked in the memory of one read chunk and one line. A line is `{"item": {...},
+    "sample"?: {...}}` as OpenAI writes them, or a bare item (a fine-tuning file's rows can be evaluated as
+    they are). An `evals` upload is not checked on upload: a line that is not a JSON object, or breaks the
+    gateway's JSON rules (`gateway.wire`), is a 400 naming it."""
     for lineno, raw in iter_lines(path, max_line_bytes=max_line_bytes):
         try:
             value = wire.loads(raw, max_depth=max_depth)
@@ -336,20 +345,35 @@ def rows_of_file(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAU
             )
         if isinstance(value.get("item"), dict) and set(value) <= {"item", "sample"}:
             sample = value.get("sample")
-            rows.append(Row(value["item"], sample if isinstance(sample, dict) else None))
+            yield Row(value["item"], sample if isinstance(sample, dict) else None)
         else:
-            rows.append(Row(value))
-    return rows
+            yield Row(value)
 
 
-def check_rows(run: RunSource, rows: list[Row], item_schema: dict[str, Any]) -> None:
-    """Every item against the eval's item schema (its `required` properties) and the run's messages."""
+def rows_of_file(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH) -> list[Row]:
+    """Every row of a JSONL file at once (`iter_rows_of_file`), for the worker that runs the eval."""
+    return list(iter_rows_of_file(path, max_line_bytes=max_line_bytes, max_depth=max_depth))
+
+
+def required_properties(item_schema: dict[str, Any]) -> list[str]:
+    """The properties an object item must have: the schema's `required` names. Eval creates check that
+    `required` is a list of names; an eval stored before that check with anything else there requires
+    nothing (a run create never fails on it)."""
+    if item_schema.get("type", "object") != "object":
+        return []
+    required = item_schema.get("required")
+    return [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+
+
+def check_rows(run: RunSource, rows: Iterable[Row], item_schema: dict[str, Any]) -> int:
+    """Every item against the eval's item schema (its `required` properties) and the run's messages, one
+    at a time (`rows` may be read from a file as it goes); returns how many there are."""
     source_param = "data_source.source.id" if run.file_id else "data_source.source.content"
-    if not rows:
-        raise InvalidRequest("The data source has no items.", param=source_param)
-    required = item_schema.get("required") if item_schema.get("type", "object") == "object" else None
+    required = required_properties(item_schema)
+    count = 0
     for index, row in enumerate(rows):
-        missing = [k for k in required or [] if isinstance(k, str) and k not in row.item]
+        count += 1
+        missing = [k for k in required if k not in row.item]
         if missing:
             raise InvalidRequest(
                 f"Item {index} lacks the properties the eval's item_schema requires: {', '.join(missing)}.",
@@ -365,6 +389,9 @@ def check_rows(run: RunSource, rows: list[Row], item_schema: dict[str, Any]) -> 
             )
         if run.input_messages is not None:
             render_messages(run.input_messages, row.item, index=index)
+    if count == 0:
+        raise InvalidRequest("The data source has no items.", param=source_param)
+    return count
 
 
 def render_messages(

@@ -19,14 +19,13 @@ from gateway.errors import InvalidRequest, not_found
 from gateway.evals import store
 from gateway.evals.datasource import (
     FILE_PURPOSES,
-    Row,
     RunSource,
     check_data_source_config,
     check_rows,
     check_run_source,
     check_testing_criteria,
+    iter_rows_of_file,
     rows_of_content,
-    rows_of_file,
 )
 from gateway.evals.protocol import (
     Eval,
@@ -106,9 +105,13 @@ async def delete_eval(res: Resources, who: Principal, eval_id: str) -> EvalDelet
 # -- runs ------------------------------------------------------------------------------------------------
 
 
-async def _rows(res: Resources, who: Principal, run: RunSource) -> list[Row]:
+async def _check_items(res: Resources, who: Principal, run: RunSource, item_schema: dict[str, Any]) -> None:
+    """The run's items checked (`check_rows`, in a thread): those of the request itself, or those of the
+    caller's file, read line by line as they are checked (a file is never held whole in the gateway)."""
     if run.file_id is None:
-        return rows_of_content(run.source["content"])
+        rows = rows_of_content(run.source["content"])
+        await anyio.to_thread.run_sync(check_rows, run, rows, item_schema)
+        return
     file = await files_store.get(res.pool, org_id=who.organization_id, file_id=run.file_id)
     if file is None:
         raise InvalidRequest(
@@ -122,8 +125,10 @@ async def _rows(res: Resources, who: Principal, run: RunSource) -> list[Row]:
         )
     path = res.blobs.path(file.blob_key)
     max_line, max_depth = res.settings.max_jsonl_line_bytes, res.settings.max_json_depth
-    return await anyio.to_thread.run_sync(
-        lambda: rows_of_file(path, max_line_bytes=max_line, max_depth=max_depth)
+    await anyio.to_thread.run_sync(
+        lambda: check_rows(
+            run, iter_rows_of_file(path, max_line_bytes=max_line, max_depth=max_depth), item_schema
+        )
     )
 
 
@@ -131,9 +136,7 @@ async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCrea
     ev = await _eval_row(res, who, eval_id)
     check_metadata(body.metadata)
     run = check_run_source(body.data_source)
-    rows = await _rows(res, who, run)
-    item_schema = ev.data_source_config["schema"]["properties"]["item"]
-    await anyio.to_thread.run_sync(check_rows, run, rows, item_schema)
+    await _check_items(res, who, run, ev.data_source_config["schema"]["properties"]["item"])
     data_source: dict[str, Any] = {"type": run.type, "source": run.source}
     if run.type == "completions":
         data_source |= {

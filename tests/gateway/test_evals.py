@@ -1,6 +1,7 @@
 """OpenAI's Evals API through the official SDK: evals, runs executed by a real worker that samples the tiny
 model through the gateway (with a key minted for the run), output items, grading that agrees with a direct
-`envsdk.graders.grade`, tenancy, usage, rate limits, cancel and the 400s of bad requests.
+`envsdk.graders.grade`, tenancy, usage, rate limits, cancel, the 400s of bad requests, and run creates
+that read their items file a line at a time.
 
 The module has a database, a gateway (serving `tiny-chat` from the module's engine) and a worker of its
 own, so no other module's worker claims its runs.
@@ -12,6 +13,7 @@ import json
 import secrets
 import signal
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ import openai
 import pytest
 
 from envsdk.graders import grade, make_sample
+from gateway.db import create_pool
+from gateway.evals import store as evals_store
 from gateway.evals.datasource import pass_threshold
 from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
@@ -556,7 +560,9 @@ def test_bad_requests_are_400s_naming_the_field(org: Tenant, other: Tenant) -> N
     missing = _items_file(org, [{"item": QUESTIONS[0]}]).replace("file-", "file-missing")
     theirs = _items_file(other, [{"item": QUESTIONS[0]}])
     no_answer = _items_file(org, [{"item": {"question": "What?"}}])
-    not_json = org.client.files.create(file=("items.jsonl", b'{"item": {}}\nnope\n'), purpose="evals").id
+    # A good first item: the items are checked in file order as they are read, and line 2 is not JSON.
+    first = json.dumps({"item": QUESTIONS[0]}).encode()
+    not_json = org.client.files.create(file=("items.jsonl", first + b"\nnope\n"), purpose="evals").id
     template = {"type": "template", "template": [{"role": "user", "content": "{{ item.missing }}"}]}
     unknown = {"type": "template", "template": [{"role": "user", "content": "{{ sample.output_text }}"}]}
     one = _content(QUESTIONS[:1])
@@ -607,3 +613,73 @@ def test_bad_requests_are_400s_naming_the_field(org: Tenant, other: Tenant) -> N
     assert evals.runs.list(ev.id).data == []  # nothing was stored
     with pytest.raises(openai.NotFoundError):
         evals.runs.create("eval_missing", data_source=_completions(BASE, one))
+
+
+# ------------------------------------------------------------------------------- item schema and files
+@pytest.mark.parametrize("required", [5, "question", {"question": True}, ["question", 7], None])
+def test_an_item_schema_whose_required_is_not_a_list_of_names_is_refused(org: Tenant, required: Any) -> None:
+    config: Any = {**CONFIG, "item_schema": {**CONFIG["item_schema"], "required": required}}
+    err = _bad(lambda: org.client.evals.create(data_source_config=config, testing_criteria=[CONTAINS]))
+    assert err.body == {
+        "message": "data_source_config.item_schema.required must be a list of property names.",
+        "type": "invalid_request_error",
+        "param": "data_source_config.item_schema.required",
+        "code": None,
+    }
+    assert org.client.evals.list().data == []
+
+
+async def test_a_run_of_an_eval_stored_with_a_malformed_required_is_created(
+    gw: GatewayServer, org: Tenant
+) -> None:
+    """An eval stored before its `required` was checked (a number there) still takes runs: its items are
+    held to no required properties, instead of every run create failing."""
+    database_url = gw.settings.database_url
+    assert database_url is not None
+    pool = await create_pool(database_url, min_size=1, max_size=1)
+    try:
+        stored = await evals_store.insert_eval(
+            pool,
+            org_id=org.org_id,
+            name="older",
+            metadata=None,
+            data_source_config={
+                "type": "custom",
+                "schema": {"type": "object", "properties": {"item": {"type": "object", "required": 5}}},
+            },
+            testing_criteria=[CONTAINS],
+        )
+    finally:
+        await pool.close()
+    content = [{"item": q, "sample": {"output_text": "2"}} for q in QUESTIONS]
+    data_source: Any = {"type": "jsonl", "source": {"type": "file_content", "content": content}}
+    async with httpx.AsyncClient(
+        base_url=gw.url, headers={"Authorization": f"Bearer {org.key}"}, timeout=60
+    ) as api:
+        made = await api.post(f"/v1/evals/{stored.id}/runs", json={"data_source": data_source})
+    assert made.status_code == 200, made.text
+    assert made.json()["status"] == "queued"
+
+
+def test_a_run_create_reads_its_items_file_a_line_at_a_time(gw: GatewayServer, org: Tenant) -> None:
+    """The items of a 16 MiB file are checked as the file is read: the gateway (in this process) holds a
+    small part of it at a time (2.2 MB traced at the peak), where a file read whole before its items were
+    checked was 30 MB of Python objects."""
+    line = json.dumps({"item": {**QUESTIONS[0], "note": "x" * 924}, "sample": {"output_text": "2"}})
+    assert len(line) == 1023  # with its newline, 1 KiB
+    data = "\n".join([line] * 16_384).encode()
+    file_id = org.client.files.create(file=("many.jsonl", data), purpose="evals").id
+    ev = _eval(org, [CONTAINS])
+    body = {"data_source": {"type": "jsonl", "source": {"type": "file_id", "id": file_id}}}
+    del data
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {org.key}"}, timeout=120) as api:
+        tracemalloc.start()
+        try:
+            made = api.post(f"/v1/evals/{ev.id}/runs", json=body)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert made.status_code == 200, made.text
+        run_id = made.json()["id"]
+        assert api.delete(f"/v1/evals/{ev.id}/runs/{run_id}").status_code == 200  # no need to run it
+    assert peak < 4 * 2**20, peak  # the reader's 1 MiB chunk and a line, not the file
