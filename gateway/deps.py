@@ -87,6 +87,15 @@ async def get_principal(
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
+async def limit_requests(res: ResourcesDep, who: PrincipalDep) -> None:
+    """One request off the calling key's per-minute request limit, the bucket its completions take from too:
+    429 `rate_limit_exceeded` over it. A router dependency of the files, evals and graders routes."""
+    await res.guard.admit_request(who.organization_id, who.api_key_id)
+
+
+RequestLimitDep = Depends(limit_requests)
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     """The calling organisation and the key it called with: a request that makes model calls of its own

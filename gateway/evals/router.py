@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 
-from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.evals import service
 from gateway.evals.protocol import (
     Eval,
@@ -20,7 +20,7 @@ from gateway.evals.protocol import (
 )
 from gateway.protocol import CursorPage
 
-router = APIRouter(prefix="/v1/evals", tags=["evals"])
+router = APIRouter(prefix="/v1/evals", tags=["evals"], dependencies=[RequestLimitDep])
 
 Limit = Annotated[int, Query(ge=1, le=100)]
 Order = Literal["asc", "desc"]

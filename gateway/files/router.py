@@ -7,12 +7,12 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
-from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.files import service
 from gateway.files.protocol import FileDeleted, FileObject
 from gateway.protocol import CursorPage
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], dependencies=[RequestLimitDep])
 
 
 @router.post("")

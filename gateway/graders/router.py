@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from gateway.deps import CallerDep, PrincipalDep, ResourcesDep
+from gateway.deps import CallerDep, PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.graders import service
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
@@ -16,7 +16,7 @@ from gateway.graders.protocol import (
     GraderValidateResponse,
 )
 
-router = APIRouter(prefix="/v1/fine_tuning/alpha", tags=["graders"])
+router = APIRouter(prefix="/v1/fine_tuning/alpha", tags=["graders"], dependencies=[RequestLimitDep])
 
 
 @router.post("/graders/run")

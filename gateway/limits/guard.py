@@ -6,11 +6,13 @@ organisation's buckets in one Lua call (a key without limits of its own gets `de
 `default_tokens_per_minute`), or, while this gateway holds leases on all of them, from the leases in memory
 (see `leases`), then holds the estimated cost against the organisation's budget, from this gateway's budget
 lease or with another call (see `holds`); `settle()` gives back the unused tokens and turns the estimate into
-the actual cost, in memory. Limits and budgets are cached here for `limits_cache_ttl_s` (no database round
-trip per request); the admin API drops the entry of an organisation it changes.
+the actual cost, in memory. `admit_request()` takes one request from the key's request bucket alone, for
+the routes that cost no tokens (files, evals, graders). Limits and budgets are cached here for
+`limits_cache_ttl_s` (no database round trip per request); the admin API drops the entry of an organisation
+it changes.
 
-Every admitted request carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers: the
-tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
+Every admitted completion carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers:
+the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
 the effective limits as both limit and remaining).
 """
 
@@ -111,6 +113,15 @@ def _headers(kinds: list[str], states: list[BucketState]) -> dict[str, str]:
         out[remaining] = str(tight.remaining)
         out[reset] = _duration(tight.reset_ms)
     return out
+
+
+def _refusal(taken: TakeResult, headers: dict[str, str]) -> RateLimited:
+    """The 429 of a request a bucket refused, with the rate-limit headers and when to retry."""
+    retry_s = max(1, -(-taken.retry_after_ms // 1000))
+    return RateLimited(
+        f"Rate limit reached for this organization or API key; please try again in {retry_s}s.",
+        headers={**headers, "retry-after": str(retry_s)},
+    )
 
 
 class Guard:
@@ -236,12 +247,7 @@ class Guard:
             if taken is not None:
                 headers = _headers(kinds, taken.buckets)
                 if not taken.allowed:
-                    retry_s = max(1, -(-taken.retry_after_ms // 1000))
-                    raise RateLimited(
-                        "Rate limit reached for this organization or API key; "
-                        f"please try again in {retry_s}s.",
-                        headers={**headers, "retry-after": str(retry_s)},
-                    )
+                    raise _refusal(taken, headers)
                 token_buckets = [
                     (c[0], c[1], min(c[2], c[1])) for c, k in zip(checks, kinds, strict=True) if k == "tokens"
                 ]
@@ -251,6 +257,20 @@ class Guard:
         if policy.budget_micro is not None and self.buckets is not None:
             await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
         return admission
+
+    async def admit_request(self, org_id: str, key_id: str) -> None:
+        """Take one request from the key's request bucket, or raise 429 `rate_limit_exceeded` (with
+        `retry-after`): the per-key limit of the routes that cost no tokens (files, evals, graders), so
+        that a flood of them is refused as cheaply as a flood of chats. The key's bucket is the one its
+        completions take from; the organisation's buckets and the budget meter model calls (those the
+        graders routes make take from them as chats do), and reading one's files never waits for money."""
+        limit = (await self.policy(org_id)).keys.get(key_id, self.default_key).requests
+        if not limit or self.buckets is None:
+            return
+        checks = [(bucket_key(f"key:{key_id}", "requests"), limit, 1)]
+        taken = await self._take(checks)
+        if taken is not None and not taken.allowed:  # None: Redis unreachable, and the limits fail open
+            raise _refusal(taken, _headers(["requests"], taken.buckets))
 
     def _plan(self, policy: OrgPolicy, org_id: str, key_id: str) -> list[tuple[str, int, str]]:
         """The buckets a request of `key_id` takes from, built once per key and cached policy."""

@@ -1,5 +1,6 @@
 """Rate limits and budgets on the serving path, through a real engine: 429s with OpenAI's headers at the
-configured rate and recovery after it; concurrent requests never overspend a budget."""
+configured rate and recovery after it; concurrent requests never overspend a budget; the files, evals and
+graders routes take from the key's request limit too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import openai
 import pytest
 from redis.asyncio import Redis
@@ -25,9 +27,9 @@ from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.limits.leases import LEASE_TTL_S
 from gateway.settings import ModelPrice, Settings
 from gateway.usage.pricing import estimate_prompt_tokens
-from tests.support.data import BASE, MESSAGES
+from tests.support.data import BASE, MESSAGES, SAYS_YES
 from tests.support.fixtures import gateway_fixture
-from tests.support.stack import Admin, Services, Tenant, make_settings
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
 
@@ -287,3 +289,43 @@ async def test_a_hold_that_is_not_renewed_stops_counting(
         assert adm.budget_key == key and adm.reserved_micro == to_micro(15.0)
         assert b"h:dead" not in await redis.hgetall(key)  # forgotten by the call that found it expired
         await guard.aclose()
+
+
+ROUTE_FAMILIES: dict[str, tuple[str, str, dict[str, Any] | None]] = {
+    "files": ("GET", "/v1/files", None),
+    "evals": ("GET", "/v1/evals", None),
+    "graders": ("POST", "/v1/fine_tuning/alpha/graders/validate", {"grader": SAYS_YES}),
+}
+"""One request of each route family that costs no tokens: (method, path, JSON body)."""
+
+
+@pytest.mark.parametrize("family", list(ROUTE_FAMILIES))
+def test_files_evals_and_graders_routes_take_from_the_keys_request_limit(
+    gw: GatewayServer, gw_admin: Admin, family: str
+) -> None:
+    """A key limited to 2 requests a minute gets 2 answers from each of these route families, then the
+    chat route's 429 in OpenAI's envelope; its own chats share the bucket, another key's do not."""
+    org = gw_admin.tenant("rl-routes-" + secrets.token_hex(3))
+    gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/limits", json={"max_requests_per_1_minute": 2}
+    ).raise_for_status()
+    method, path, body = ROUTE_FAMILIES[family]
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {org.key}"}, timeout=60) as api:
+        answers = [api.request(method, path, json=body) for _ in range(3)]
+    assert [a.status_code for a in answers] == [200, 200, 429], [a.text[:300] for a in answers]
+    refused = answers[2]
+    error = refused.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["param"], error["code"]) == ("requests", None, "rate_limit_exceeded")
+    retry_s = int(refused.headers["retry-after"])
+    assert 1 <= retry_s <= 30  # 2 a minute: one back every 30 s
+    assert error["message"] == (
+        f"Rate limit reached for this organization or API key; please try again in {retry_s}s."
+    )
+    assert refused.headers["x-ratelimit-limit-requests"] == "2"
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(openai.RateLimitError):  # the key's chats take from the same bucket
+        org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1)
+    other = gw_admin.tenant("rl-routes-other-" + secrets.token_hex(3))
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {other.key}"}, timeout=60) as api:
+        assert api.request(method, path, json=body).status_code == 200
