@@ -120,6 +120,7 @@ def run(opts: Options) -> dict[str, Any]:
     overrides = {"TUNEGATE_ENV_POOL": pool, "TUNEGATE_ALLOW_UNSANDBOXED_ENVIRONMENTS": str(allow).lower()}
     servers: list[EnvServerProcess] = []
     points: list[dict[str, Any]] = []
+    granted = _grant(services.redis_url, pool)
     try:
         for count in counts:
             while len(servers) < count:
@@ -131,7 +132,9 @@ def run(opts: Options) -> dict[str, Any]:
             for server in servers:
                 server.wait_registered()
             assert len(live_servers(client, pool)) == count
-            remote = RemoteSandbox(services.redis_url, package, pool=pool, job_id=f"bench-{count}")
+            remote = RemoteSandbox(
+                granted.url, package, org=granted.org_id, pool=pool, job_id=f"bench-{count}"
+            )
             remote.start()
             try:
                 _steps(remote.reward_batch, items, 2)  # every sandbox of every server started
@@ -146,10 +149,13 @@ def run(opts: Options) -> dict[str, Any]:
                     "served_by": len(remote.served),
                 }
             )
-        pipelining = _pipelining(opts, work, package, services.redis_url, pool, steps)
+        pipelining = _pipelining(opts, work, package, granted.url, pool, steps)
     finally:
         for server in servers:
             server.stop(timeout_s=30)
+        from gateway.worker import redis_acl
+
+        _on_redis(services.redis_url, lambda c: redis_acl.revoke(c, granted))
         client.close()
         services.stop()
     local_wait = sum(local_waits) / len(local_waits)
@@ -168,6 +174,32 @@ def run(opts: Options) -> dict[str, Any]:
     }
 
 
+def _on_redis(redis_url: str, call: Any) -> Any:
+    """``call`` with a worker's own (asyncio) client of the bench's Redis."""
+    import asyncio
+
+    from redis.asyncio import Redis
+
+    async def run() -> Any:
+        client = Redis.from_url(redis_url)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def _grant(redis_url: str, pool: str) -> Any:
+    """The Redis user and grant a worker makes for a job's trainer (``gateway.worker.redis_acl``)."""
+    from gateway.worker import redis_acl
+
+    return _on_redis(
+        redis_url,
+        lambda c: redis_acl.grant(c, redis_url=redis_url, pool=pool, org_id="org-bench", job_id="bench"),
+    )
+
+
 def _session(
     work: Path, package: Path, redis_url: str, pool: str, rows: list[dict[str, Any]], **hp: Any
 ) -> Any:
@@ -177,10 +209,11 @@ def _session(
 
     from trainer.environment import EnvironmentSession
     from trainer.run import read_spec
-    from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_REDIS_ENV
+    from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
     from trainer.tiny import make_tiny_model
 
     os.environ[ENV_POOL_REDIS_ENV], os.environ[ENV_POOL_NAME_ENV] = redis_url, pool
+    os.environ[ENV_POOL_ORG_ENV] = "org-bench"
     work.mkdir(parents=True, exist_ok=True)
     (work / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = {

@@ -12,10 +12,12 @@
   episode whose server died goes on on another one from its last completed turn: that server rebuilds it
   from the episode's state in Redis (``resume``: the task and the completed turns its servers recorded), then
   serves the turn in progress. A request lost ``MAX_ATTEMPTS`` times raises :class:`ServersLost`.
-* A server that died while serving the package is counted against the package, across jobs
-  (:func:`envsdk.remote_wire.record_crash`); at ``CRASH_LIMIT`` within the window the pool refuses the
+* A server that died while serving the package is counted against the package, across the organisation's
+  jobs (:func:`envsdk.remote_wire.record_crash`); at ``CRASH_LIMIT`` within the window the pool refuses the
   package: what is pending fails, and so does every later job's :meth:`RemoteSandbox.start`, with
   ``package_refused`` naming it.
+* Every key it uses is in its organisation's namespace (:func:`envsdk.remote_wire.org_key`): the Redis user
+  the worker gives a job's trainer reaches nothing else, and servers take the organisation from there.
 
 Errors the sandbox raised on the server come back as the same :class:`~envsdk.errors.SandboxError`.
 """
@@ -45,6 +47,7 @@ from envsdk.remote_wire import (
     DEFAULT_POOL,
     PACKAGE_TTL_S,
     Registration,
+    check_org,
     crash_count,
     decode,
     encode,
@@ -52,10 +55,12 @@ from envsdk.remote_wire import (
     live_servers,
     now,
     package_key,
-    pool_key,
     read_streams,
     record_crash,
     refused_message,
+    replies_key,
+    requests_key,
+    result_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -103,13 +108,15 @@ class _Episode:
 
 
 class RemoteSandbox:
-    """The job's package served by the pool's env servers; see the module."""
+    """The job's package served by the pool's env servers, for organisation ``org`` (the namespace its Redis
+    user reaches; servers serve an organisation while it has a grant); see the module."""
 
     def __init__(
         self,
         redis_url: str,
         package_dir: Path,
         *,
+        org: str,
         pool: str = DEFAULT_POOL,
         config: dict[str, Any] | None = None,
         maxima: Maxima | None = None,
@@ -119,6 +126,7 @@ class RemoteSandbox:
 
         self.redis = redis.Redis.from_url(redis_url)
         self.pool = pool
+        self.org = check_org(org)
         self.package_dir = Path(package_dir)
         self.manifest = load_manifest(self.package_dir)
         self.config = {**self.manifest.config, **(config or {})}
@@ -129,7 +137,7 @@ class RemoteSandbox:
         self.package = hashlib.sha256(self._archive).hexdigest()
         self.job_id = job_id
         self.client_id = f"{job_id or 'client'}-{uuid.uuid4().hex[:8]}"
-        self.replies = pool_key(pool, "replies", self.client_id)
+        self.replies = replies_key(pool, self.org, self.client_id)
         self.info: dict[str, Any] = {}
         self.backend = f"env servers of pool {pool!r}"
         """Where it runs, as :attr:`envsdk.sandbox.Sandbox.backend` says it for a local sandbox."""
@@ -157,10 +165,10 @@ class RemoteSandbox:
     def start(self) -> dict[str, Any]:
         """Store the package, start it on every registered server (warm) and return ``describe``'s info;
         ``package_refused`` at once when the pool refuses the package."""
-        crashes = crash_count(self.redis, self.pool, self.package)
+        crashes = crash_count(self.redis, self.pool, self.org, self.package)
         if crashes >= CRASH_LIMIT:
             raise SandboxError("package_refused", refused_message(self.manifest.name, self.package, crashes))
-        self.redis.set(package_key(self.package), self._archive, ex=PACKAGE_TTL_S)
+        self.redis.set(package_key(self.pool, self.org, self.package), self._archive, ex=PACKAGE_TTL_S)
         if not self.running:
             self._stop.clear()
             self._reader = threading.Thread(target=self._read, name="env-replies", daemon=True)
@@ -261,7 +269,7 @@ class RemoteSandbox:
             "package": self.package,
             "name": self.manifest.name,
             "config": self.config,
-            "reply": self.replies,
+            "client": self.client_id,
             "job": self.job_id,
             "allowed_s": allowed,
             "turn": turn,
@@ -285,7 +293,7 @@ class RemoteSandbox:
 
     def _send(self, request: dict[str, Any], server: str, pipe: Any = None) -> None:
         request["deadline"] = now() + float(request["allowed_s"])
-        (pipe or self.redis).xadd(pool_key(self.pool, "requests", server), {"data": encode(request)})
+        (pipe or self.redis).xadd(requests_key(self.pool, self.org, server), {"data": encode(request)})
 
     def _refresh(self, max_age_s: float = 0.0) -> None:
         """Read the registrations again (unless read less than ``max_age_s`` ago)."""
@@ -293,7 +301,7 @@ class RemoteSandbox:
             return
         self._refreshed_at = time.monotonic()
         try:
-            servers = live_servers(self.redis, self.pool)
+            servers = live_servers(self.redis, self.pool, self.org)
         except redis.RedisError as exc:
             logger.warning("env pool %s: cannot read registrations: %s", self.pool, exc)
             return
@@ -396,7 +404,7 @@ class RemoteSandbox:
     def _count_crash(self, server: str) -> bool:
         """Count ``server``'s death against the package; at ``CRASH_LIMIT``, fail everything pending with
         ``package_refused`` (True)."""
-        crashes = record_crash(self.redis, self.pool, self.package, server)
+        crashes = record_crash(self.redis, self.pool, self.org, self.package, server)
         if crashes < CRASH_LIMIT:
             return False
         self._refused = refused_message(self.manifest.name, self.package, crashes)
@@ -428,7 +436,7 @@ class RemoteSandbox:
                 if p.server not in self._servers or p.request["deadline"] < now()
             ]
         for key, pending in lost:
-            stored = get_bytes(self.redis, pool_key(self.pool, "result", key))
+            stored = get_bytes(self.redis, result_key(self.pool, self.org, key))
             if stored is not None:
                 self._resolve(key, decode(stored))
                 continue

@@ -6,19 +6,25 @@ sandbox as a trainer's own (:class:`envsdk.sandbox.Sandbox`), over Redis Streams
 has the key layout):
 
 * It registers itself (capacity, in-flight, packages warm) with a TTL its heartbeat refreshes, so clients find
-  it with nothing configured but Redis and the pool's name.
-* It reads its own request stream, at most ``capacity`` requests at a time. Each package (and config) gets up
-  to ``capacity`` sandboxes, started on demand and kept warm; a multi-turn episode stays in the sandbox that
-  ``reset`` it until it is done or closed.
+  it with nothing configured but Redis and the pool's name; and again in the namespace of every organisation
+  with a grant (a running environment job: the worker writes it), where that organisation's trainers read it.
+* It reads its own request stream in each of those namespaces, at most ``capacity`` requests at a time. The
+  organisation of a request is the namespace it was read from, which only that organisation's trainers can
+  write (their Redis user reaches nothing else); nothing in the request names it. Each organisation's
+  package (and config) gets up to ``capacity`` sandboxes, started on demand and kept warm, never shared with
+  another organisation, even for the same package: a package keeps what it saw in its process's memory. A
+  multi-turn episode stays in the sandbox that ``reset`` it until it is done or closed.
 * A request past its deadline is dropped (its client has sent it elsewhere). A result is written once under
-  the request's idempotency key (``SET NX``) and only then answered, so a request served twice counts once.
+  the request's idempotency key (``SET NX``, in the organisation's namespace) and only then answered, so a
+  request served twice counts once.
 * SIGTERM drains: it says so in its registration (clients send it nothing new), serves what was sent to it
   and the episodes it holds, then deregisters and stops its sandboxes. A second SIGTERM stops it at once.
 
 It is stateless apart from the episodes it holds, and what of those must outlive it is in Redis: each reset's
 task and each completed turn, written with the result that served it. When a server dies, a client sends its
 open episodes' next call elsewhere after a ``resume``, which rebuilds the episode there from Redis. A package
-whose requests took down ``CRASH_LIMIT`` servers in ``CRASH_WINDOW_S`` is refused (``package_refused``).
+whose requests took down ``CRASH_LIMIT`` servers in ``CRASH_WINDOW_S`` is refused (``package_refused``) to the
+organisation whose trainers counted the deaths.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,14 +62,18 @@ from envsdk.remote_wire import (
     encode,
     episode_state,
     get_bytes,
+    live_orgs,
     now,
     package_key,
-    pool_key,
     read_streams,
     record_reset,
     record_turn,
     refused_message,
     register,
+    replies_key,
+    requests_key,
+    result_key,
+    served_key,
 )
 from envsdk.sandbox import Sandbox
 
@@ -86,6 +97,7 @@ DRAIN_TIMEOUT_S = 120.0
 """Longest a draining server waits for its episodes before it stops anyway."""
 IDLE_PACKAGE_S = 600.0
 """A package unused this long, with no episode open, has its sandboxes stopped (started again on demand)."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -96,7 +108,8 @@ class _Slot:
 
 @dataclass
 class _Warm:
-    """The sandboxes of one package and config: up to ``capacity``, each running one call at a time."""
+    """The sandboxes of one organisation's package and config: up to ``capacity``, each running one call at a
+    time."""
 
     package_dir: Path
     config: dict[str, Any]
@@ -127,11 +140,15 @@ class EnvServer:
         self.maxima = maxima or Maxima()
         self.allow_unsandboxed = allow_unsandboxed
         self.id = server_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.stream = pool_key(pool, "requests", self.id)
         self._lock = threading.Condition()
         self._inflight = 0
-        self._warm: dict[tuple[str, str], _Warm] = {}
-        self._package_locks: dict[str, threading.Lock] = {}
+        self._orgs: list[str] = []
+        """The organisations served now (those with a live grant), in the order their streams are read."""
+        self._last: dict[str, str] = {}
+        """Organisation -> the last entry read from its request stream (kept while the server lives: an
+        organisation served again goes on from there, so no entry in flight is read twice)."""
+        self._warm: dict[tuple[str, str, str], _Warm] = {}
+        self._package_locks: dict[tuple[str, str], threading.Lock] = {}
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="env")
@@ -139,7 +156,7 @@ class EnvServer:
     # -- registration ------------------------------------------------------------------------------
     def registration(self) -> Registration:
         with self._lock:
-            packages = sorted({sha for sha, _ in self._warm})
+            packages = sorted({sha for _, sha, _ in self._warm})
             inflight = self._inflight
         return Registration(
             id=self.id,
@@ -152,12 +169,35 @@ class EnvServer:
             started_at=self._started,
         )
 
+    def _register(self) -> None:
+        """Register in the pool and in the namespace of each organisation served, which sees its own
+        packages only (a package's hash is all another organisation would need to run it)."""
+        with self._lock:
+            orgs = {org: sorted({sha for o, sha, _ in self._warm if o == org}) for org in self._orgs}
+        register(self.redis, self.pool, self.registration(), orgs)
+
+    def _refresh_orgs(self) -> None:
+        """Read the grants: the organisations to serve (a new one's stream is read from its start)."""
+        served = live_orgs(self.redis, self.pool)
+        with self._lock:
+            kept = [org for org in self._orgs if org in served]
+            self._orgs = kept + sorted(served - set(kept))
+            for org in self._orgs:
+                self._last.setdefault(org, "0")
+
     def _heartbeat(self) -> None:
         while not self._stopping.is_set():
             try:
-                register(self.redis, self.pool, self.registration())
-                self.redis.expire(self.stream, int(RESULT_TTL_S))
-                QUEUE.set(cast(int, self.redis.xlen(self.stream)))
+                self._refresh_orgs()
+                self._register()
+                with self._lock:
+                    streams = [requests_key(self.pool, org, self.id) for org in self._orgs]
+                pipe = self.redis.pipeline(transaction=False)
+                for stream in streams:
+                    pipe.expire(stream, int(RESULT_TTL_S))
+                    pipe.xlen(stream)
+                answers = pipe.execute(raise_on_error=False)
+                QUEUE.set(sum(a for a in answers[1::2] if isinstance(a, int)))
             except redis.RedisError as exc:
                 logger.warning("env server %s: heartbeat failed: %s", self.id, exc)
             self._stop_idle()
@@ -180,11 +220,11 @@ class EnvServer:
         """Register, serve until SIGTERM, drain, deregister."""
         self._started = now()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        register(self.redis, self.pool, self.registration())
+        self._refresh_orgs()
+        self._register()
         beat = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
         beat.start()
         logger.info("env server %s serving pool %r with capacity %d", self.id, self.pool, self.capacity)
-        last_id = "0"
         idle_since: float | None = None
         drain_started = 0.0
         try:
@@ -197,26 +237,40 @@ class EnvServer:
                     while self._inflight >= self.capacity:
                         self._lock.wait(0.1)
                     free = self.capacity - self._inflight
+                    streams = {requests_key(self.pool, o, self.id): o for o in self._orgs}
+                    if len(self._orgs) > 1:  # the next read starts with the next organisation's stream
+                        self._orgs.append(self._orgs.pop(0))
+                    cursors = {stream: self._last[org] for stream, org in streams.items()}
+                if not streams:
+                    idle_since = idle_since or time.monotonic()
+                    self._stopping.wait(0.25)
+                    continue
                 try:
-                    answer = read_streams(self.redis, {self.stream: last_id}, count=free, block=250)
+                    answer = read_streams(self.redis, cursors, count=free, block=250)
                 except redis.RedisError as exc:
                     logger.warning("env server %s: reading requests failed: %s", self.id, exc)
                     time.sleep(0.5)
                     continue
-                entries = [entry for _, batch in answer for entry in batch]
+                entries = [
+                    (streams[stream.decode() if isinstance(stream, bytes) else stream], entry)
+                    for stream, batch in answer
+                    for entry in batch
+                ][:free]  # each stream answers up to ``free``: the rest is read again next time
                 idle_since = (idle_since or time.monotonic()) if not entries else None
-                for entry_id, fields in entries:
+                for org, (entry_id, fields) in entries:
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
                     with self._lock:
+                        self._last[org] = last_id
                         self._inflight += 1
                         INFLIGHT.set(self._inflight)
-                    self._executor.submit(self._serve_one, last_id, fields)
+                    self._executor.submit(self._serve_one, org, last_id, fields)
         finally:
             self._stopping.set()
             self._executor.shutdown(wait=True)
             try:
-                deregister(self.redis, self.pool, self.id)
-                self.redis.delete(self.stream)
+                with self._lock:
+                    orgs = sorted(set(self._last))
+                deregister(self.redis, self.pool, self.id, orgs)
             except redis.RedisError as exc:
                 logger.warning("env server %s: could not deregister: %s", self.id, exc)
             self._close_sandboxes()
@@ -234,7 +288,7 @@ class EnvServer:
         logger.info("env server %s draining", self.id)
         self._draining.set()
         try:
-            register(self.redis, self.pool, self.registration())
+            self._register()
         except redis.RedisError:
             pass
 
@@ -243,13 +297,14 @@ class EnvServer:
         signal.signal(signal.SIGINT, lambda *_: self.drain())
 
     # -- one request -------------------------------------------------------------------------------
-    def _serve_one(self, entry_id: str, fields: dict[bytes, bytes]) -> None:
+    def _serve_one(self, org: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        """Serve one request of ``org`` (the namespace of the stream it came from)."""
         method = "unknown"
         started = time.monotonic()
         try:
             request = decode(fields[b"data"])
             method = str(request.get("method"))
-            self._answer(request, method)
+            self._answer(org, request, method)
         except Exception:
             logger.exception("env server %s: request %s failed", self.id, entry_id)
             REQUESTS.labels(method, "error").inc()
@@ -261,21 +316,23 @@ class EnvServer:
                 EPISODES.set(sum(len(w.episodes) for w in self._warm.values()))
                 self._lock.notify_all()
             try:
-                self.redis.xdel(self.stream, entry_id)
+                self.redis.xdel(requests_key(self.pool, org, self.id), entry_id)
             except redis.RedisError:
                 pass
 
-    def _answer(self, request: dict[str, Any], method: str) -> None:
+    def _answer(self, org: str, request: dict[str, Any], method: str) -> None:
+        """Serve ``request`` and answer it; every key it touches is in ``org``'s namespace, whatever the
+        request names."""
         key = str(request["key"])
-        result_key = pool_key(self.pool, "result", key)
+        stored_at = result_key(self.pool, org, key)
         sha256 = str(request["package"])
         check = self.redis.pipeline(transaction=False)
-        check.get(result_key)
-        check.zcount(crashes_key(self.pool, sha256), now() - CRASH_WINDOW_S, "+inf")
+        check.get(stored_at)
+        check.zcount(crashes_key(self.pool, org, sha256), now() - CRASH_WINDOW_S, "+inf")
         stored, crashes = cast(list[Any], check.execute())
         if stored is not None:  # served already (by this server or another): answer the same again
             REQUESTS.labels(method, "duplicate").inc()
-            self._reply(request, key, stored.decode())
+            self._reply(org, request, key, stored.decode())
             return
         if float(request.get("deadline") or 0) < now():
             REQUESTS.labels(method, "expired").inc()
@@ -285,38 +342,41 @@ class EnvServer:
                 raise SandboxError(
                     "package_refused", refused_message(str(request.get("name")), sha256, crashes)
                 )
-            result: dict[str, Any] = {"result": self._call(request, method), "server": self.id}
+            result: dict[str, Any] = {"result": self._call(org, request, method), "server": self.id}
             REQUESTS.labels(method, "ok").inc()
         except EnvSDKError as exc:
             result = {"error": {"code": exc.code, "message": exc.message}, "server": self.id}
             REQUESTS.labels(method, "error").inc()
         payload = encode(result)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(result_key, payload, nx=True, ex=RESULT_TTL_S)
+        pipe.set(stored_at, payload, nx=True, ex=RESULT_TTL_S)
         params, job = request.get("params") or {}, str(request.get("job") or "")
+        episode = str(params.get("episode_id"))
         if "result" in result and method == "reset":  # the episode's state outlives this server
-            record_reset(pipe, self.pool, job, str(params.get("episode_id")), dict(params.get("task") or {}))
+            record_reset(pipe, self.pool, org, job, episode, dict(params.get("task") or {}))
         elif "result" in result and method == "step" and request.get("turn") is not None:
             turn, message = int(request["turn"]), dict(params.get("assistant_message") or {})
-            record_turn(pipe, self.pool, job, str(params.get("episode_id")), turn, message)
-        if request.get("job"):
-            served = pool_key(self.pool, "served", str(request["job"]))
+            record_turn(pipe, self.pool, org, job, episode, turn, message)
+        if job:
+            served = served_key(self.pool, org, job)
             pipe.hsetnx(served, key, encode({"server": self.id, "method": method, "items": _items(request)}))
             pipe.expire(served, RESULT_TTL_S)
         written = pipe.execute()[0]
         if not written:  # another server's answer counted first: send that one
             REQUESTS.labels(method, "duplicate").inc()
-            payload = (get_bytes(self.redis, result_key) or payload.encode()).decode()
-        self._reply(request, key, payload)
+            payload = (get_bytes(self.redis, stored_at) or payload.encode()).decode()
+        self._reply(org, request, key, payload)
 
-    def _reply(self, request: dict[str, Any], key: str, payload: str) -> None:
+    def _reply(self, org: str, request: dict[str, Any], key: str, payload: str) -> None:
+        """Answer on the reply stream of the request's client, in ``org``'s namespace."""
+        stream = replies_key(self.pool, org, str(request["client"]))
         pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(str(request["reply"]), {"key": key, "data": payload}, maxlen=10000, approximate=True)
-        pipe.expire(str(request["reply"]), RESULT_TTL_S)
+        pipe.xadd(stream, {"key": key, "data": payload}, maxlen=10000, approximate=True)
+        pipe.expire(stream, RESULT_TTL_S)
         pipe.execute()
 
-    def _call(self, request: dict[str, Any], method: str) -> Any:
-        warm = self._warm_for(str(request["package"]), dict(request.get("config") or {}))
+    def _call(self, org: str, request: dict[str, Any], method: str) -> Any:
+        warm = self._warm_for(org, str(request["package"]), dict(request.get("config") or {}))
         params = dict(request.get("params") or {})
         episode = str(params["episode_id"]) if params.get("episode_id") is not None else None
         index, slot = self._acquire(warm, episode if method not in ("reset", "resume") else None)
@@ -330,7 +390,7 @@ class EnvServer:
                 return slot.sandbox.info
             try:
                 if method == "resume":
-                    result = self._resume(slot.sandbox, str(request.get("job") or ""), str(episode))
+                    result = self._resume(org, slot.sandbox, str(request.get("job") or ""), str(episode))
                 else:
                     result = slot.sandbox.call(method, params)
             except SandboxError:
@@ -347,10 +407,10 @@ class EnvServer:
                 slot.busy = False
                 self._lock.notify_all()
 
-    def _resume(self, sandbox: Sandbox, job: str, episode: str) -> dict[str, Any]:
-        """Rebuild an episode whose server died from its state in Redis: ``reset`` with its task, then its
-        completed turns in order (recorded already: nothing is written again)."""
-        task, turns = episode_state(self.redis, self.pool, job, episode)
+    def _resume(self, org: str, sandbox: Sandbox, job: str, episode: str) -> dict[str, Any]:
+        """Rebuild an episode whose server died from its state in Redis (``org``'s): ``reset`` with its task,
+        then its completed turns in order (recorded already: nothing is written again)."""
+        task, turns = episode_state(self.redis, self.pool, org, job, episode)
         if task is None:
             raise SandboxError(
                 "episode_lost", f"episode {episode} has no state in Redis (expired or never reset)"
@@ -400,39 +460,46 @@ class EnvServer:
         )
 
     # -- packages ----------------------------------------------------------------------------------
-    def _warm_for(self, sha256: str, config: dict[str, Any]) -> _Warm:
-        key = (sha256, encode(sorted(config.items())))
+    def _warm_for(self, org: str, sha256: str, config: dict[str, Any]) -> _Warm:
+        """The sandboxes of ``org``'s package and config: an organisation's calls never run in a sandbox
+        that served another's."""
+        key = (org, sha256, encode(sorted(config.items())))
         with self._lock:
             warm = self._warm.get(key)
             if warm is not None:
                 warm.last_used = time.monotonic()  # not stopped as idle under the call about to use it
                 return warm
-        package_dir = self._package(sha256)
+        package_dir = self._package(org, sha256)
         with self._lock:
             return self._warm.setdefault(key, _Warm(package_dir, config))
 
-    def _package(self, sha256: str) -> Path:
-        """The unpacked package of this content hash, fetched from Redis and checked the first time."""
+    def _package(self, org: str, sha256: str) -> Path:
+        """``org``'s unpacked package of this content hash, fetched from its namespace and checked the first
+        time. Unpacked once per organisation: an organisation that names another's hash (its servers' list
+        shows none) finds nothing it did not store itself."""
         from envsdk.archive import safe_extract
 
-        target = self.data_dir / "packages" / sha256
+        if not _SHA256.fullmatch(sha256):  # it names a folder here: a hash, never a path
+            raise SandboxError("package_invalid", "a request named a package by something not a sha256")
+        packages = self.data_dir / "packages" / org
+        target = packages / sha256
         with self._lock:
-            lock = self._package_locks.setdefault(sha256, threading.Lock())
+            lock = self._package_locks.setdefault((org, sha256), threading.Lock())
         with lock:
             if target.is_dir():
                 return target
-            data = get_bytes(self.redis, package_key(sha256))
+            data = get_bytes(self.redis, package_key(self.pool, org, sha256))
             if data is None:
                 raise SandboxError("package_missing", f"package {sha256} is not in the pool's store")
             if hashlib.sha256(data).hexdigest() != sha256:
                 raise SandboxError("package_corrupt", f"package {sha256} does not match its hash")
-            staging = self.data_dir / "packages" / f".{sha256}.{uuid.uuid4().hex[:6]}"
+            staging = packages / f".{sha256}.{uuid.uuid4().hex[:6]}"
             staging.mkdir(parents=True)
             archive = staging / "package.tar.gz"
             archive.write_bytes(data)
             unpacked = staging / "package"
             safe_extract(archive, unpacked)
-            for path in (self.data_dir, self.data_dir / "packages", staging):
+            for path in (self.data_dir, self.data_dir / "packages", packages, staging):
                 path.chmod(0o755)  # the sandbox's own uid reads the package
             try:
                 unpacked.rename(target)

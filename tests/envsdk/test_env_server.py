@@ -1,11 +1,13 @@
 """Env servers without a training stack: real `tunegate env-server` processes on the tests' Redis, driven by
-the trainer's client (`envsdk.remote.RemoteSandbox`) and by `trainer.environment.EnvironmentSession`.
+the trainer's client (`envsdk.remote.RemoteSandbox`) and by `trainer.environment.EnvironmentSession`, with the
+Redis user and grant a worker makes for a job's trainer (`gateway.worker.redis_acl`).
 
 Each test names a pool of its own, so no other test's servers or trainers see its servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import signal
@@ -13,21 +15,32 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
+import redis.asyncio
 
+from envsdk.errors import SandboxError
 from envsdk.remote import RemoteSandbox
-from envsdk.remote_wire import crash_count, episode_key, episode_state, live_servers, pool_key
+from envsdk.remote_wire import (
+    crash_count,
+    episode_key,
+    episode_state,
+    live_servers,
+    requests_key,
+    result_key,
+    served_key,
+)
 from envsdk.sandbox import Sandbox
 from gateway.settings import Settings
+from gateway.worker import redis_acl
+from gateway.worker.redis_acl import PoolGrant
 from tests.support.stack import Services
 from tests.trainer.conftest import make_spec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.run import read_spec
-from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_REDIS_ENV
 from tunegate.processes import EnvServerProcess
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
@@ -47,6 +60,8 @@ class Env(SingleTurnEnv):
 """
 
 Start = Callable[..., dict[str, EnvServerProcess]]
+Grant = Callable[[str, str], PoolGrant]
+ORG = "org-envsrv"
 
 
 @pytest.fixture
@@ -59,6 +74,38 @@ def redis_client(services: Services) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(services.redis_url)
     yield client
     client.close()
+
+
+def on_redis(services: Services, call: Callable[[redis.asyncio.Redis], Any]) -> Any:
+    """``call`` with the worker's own (asyncio) client of the tests' Redis."""
+
+    async def run() -> Any:
+        client = redis.asyncio.Redis.from_url(services.redis_url)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def grant(services: Services, pool: str) -> Iterator[Grant]:
+    """What a worker does as a job's trainer starts: a Redis user and a grant for (organisation, job) in the
+    test's pool; revoked after the test."""
+    made: list[PoolGrant] = []
+
+    def make(org: str, job: str) -> PoolGrant:
+        granted = on_redis(
+            services,
+            lambda c: redis_acl.grant(c, redis_url=services.redis_url, pool=pool, org_id=org, job_id=job),
+        )
+        made.append(granted)
+        return cast(PoolGrant, granted)
+
+    yield make
+    for granted in made:
+        on_redis(services, lambda c, g=granted: redis_acl.revoke(c, g))
 
 
 @pytest.fixture
@@ -95,10 +142,10 @@ def write_package(root: Path, name: str, code: str) -> Path:
     return package
 
 
-def trainer_uses_pool(monkeypatch: pytest.MonkeyPatch, services: Services, pool: str) -> None:
-    """What a worker tells an environment job's trainer: the env servers' Redis and pool name."""
-    monkeypatch.setenv(ENV_POOL_REDIS_ENV, services.redis_url)
-    monkeypatch.setenv(ENV_POOL_NAME_ENV, pool)
+def trainer_uses_pool(monkeypatch: pytest.MonkeyPatch, granted: PoolGrant) -> None:
+    """What a worker tells an environment job's trainer: its Redis user, the pool and its organisation."""
+    for name, value in granted.env.items():
+        monkeypatch.setenv(name, value)
 
 
 def guess_task() -> dict[str, Any]:
@@ -116,10 +163,11 @@ def play(box: Any, guesses: list[str]) -> list[Any]:
 
 
 def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
-    start_servers: Start, services: Services, pool: str, redis_client: redis.Redis
+    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
 ) -> None:
     servers = start_servers(2)
-    remote = RemoteSandbox(services.redis_url, EXAMPLES / "guess_number", pool=pool, job_id="ftjob-resume")
+    granted = grant(ORG, "ftjob-resume")
+    remote = RemoteSandbox(granted.url, EXAMPLES / "guess_number", org=ORG, pool=pool, job_id="ftjob-resume")
     local = Sandbox(EXAMPLES / "guess_number")
     guesses = ["10", "5", "1", "3"]  # the target is 3: the fourth turn ends the episode
     try:
@@ -138,12 +186,12 @@ def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
         assert steps == play(local, guesses) and steps[-1]["done"] and steps[-1]["reward"] > 0
         assert remote.retries == 1 and holder not in live_servers(redis_client, pool)
         # the episode's state in Redis: its task and each completed turn once, in order
-        task, turns = episode_state(redis_client, pool, "ftjob-resume", episode)
+        task, turns = episode_state(redis_client, pool, ORG, "ftjob-resume", episode)
         assert task == guess_task()
         assert turns == [{"role": "assistant", "content": g} for g in guesses]
-        recorded = redis_client.hkeys(episode_key(pool, "ftjob-resume", episode))
+        recorded = redis_client.hkeys(episode_key(pool, ORG, "ftjob-resume", episode))
         assert sorted(k.decode() for k in recorded) == ["0", "1", "2", "3", "task"]
-        served = [json.loads(v) for v in redis_client.hvals(pool_key(pool, "served", "ftjob-resume"))]
+        served = [json.loads(v) for v in redis_client.hvals(served_key(pool, ORG, "ftjob-resume"))]
         assert [r["method"] for r in served].count("resume") == 1
         assert {r["server"] for r in served if r["method"] == "resume"} == set(servers) - {holder}
     finally:
@@ -152,16 +200,17 @@ def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
 
 
 def test_sigterm_drains_a_server_after_its_episodes(
-    start_servers: Start, services: Services, pool: str, redis_client: redis.Redis
+    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
 ) -> None:
     ((server_id, server),) = start_servers(1).items()
-    remote = RemoteSandbox(services.redis_url, EXAMPLES / "guess_number", pool=pool, job_id="ftjob-drain")
+    granted = grant(ORG, "ftjob-drain")
+    remote = RemoteSandbox(granted.url, EXAMPLES / "guess_number", org=ORG, pool=pool, job_id="ftjob-drain")
     try:
         remote.start()
         opened = remote.call("reset", {"task": guess_task()})
         server.terminate()
         deadline = time.monotonic() + 10
-        while not live_servers(redis_client, pool)[server_id].draining:
+        while not live_servers(redis_client, pool, ORG)[server_id].draining:  # as the trainer sees it
             assert time.monotonic() < deadline
             time.sleep(0.1)
         # draining: it takes no new work, but the episode it holds goes on there
@@ -170,8 +219,8 @@ def test_sigterm_drains_a_server_after_its_episodes(
         assert step["error"] is None and server.poll() is None
         remote.call("close_episode", {"episode_id": opened["episode_id"]})
         assert server.proc.wait(timeout=30) == 0  # then it stops by itself, deregistered
-        assert live_servers(redis_client, pool) == {}
-        assert not redis_client.exists(pool_key(pool, "requests", server_id))
+        assert live_servers(redis_client, pool) == {} and live_servers(redis_client, pool, ORG) == {}
+        assert not redis_client.exists(requests_key(pool, ORG, server_id))
     finally:
         remote.close()
 
@@ -179,6 +228,7 @@ def test_sigterm_drains_a_server_after_its_episodes(
 def test_a_package_that_keeps_crashing_servers_is_refused_across_jobs(
     start_servers: Start,
     services: Services,
+    grant: Grant,
     pool: str,
     redis_client: redis.Redis,
     tmp_path: Path,
@@ -187,7 +237,7 @@ def test_a_package_that_keeps_crashing_servers_is_refused_across_jobs(
 ) -> None:
     package = write_package(tmp_path, "slow", SLOW)
     servers = start_servers(3, capacity=1)
-    trainer_uses_pool(monkeypatch, services, pool)
+    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-crashes"))
     from trainer.environment import EnvironmentSession
 
     environment = {"package_dir": str(package), "config": {}}
@@ -229,40 +279,61 @@ def test_a_package_that_keeps_crashing_servers_is_refused_across_jobs(
     finally:
         session.close()
     # the count is the package's, in Redis: with a server up again, another job on it fails at once, naming it
-    assert crash_count(redis_client, pool, session.sandbox.package) == 3
+    package_sha = session.sandbox.package
+    assert crash_count(redis_client, pool, ORG, package_sha) == 3
     ((server_id, _),) = start_servers(1).items()
     with pytest.raises(TrainerError) as refused:
         EnvironmentSession(spec)
     assert refused.value.code == "environment_error" and "package slow" in refused.value.message
     # ... and the server refuses it
+    assert probe(redis_client, pool, ORG, server_id, package_sha)["error"]["code"] == "package_refused"
+    # ... to that organisation: the count is its own trainers', so another's same package starts there
+    other = "org-other"
+    grant(other, "ftjob-other")
+    started = probe(redis_client, pool, other, server_id, package_sha, stored=package)
+    assert "error" not in started and started["result"]["kind"] == "single_turn"
+
+
+def probe(
+    client: redis.Redis, pool: str, org: str, server_id: str, sha256: str, *, stored: Path | None = None
+) -> dict[str, Any]:
+    """A `start` request of `org`'s for package `sha256`, sent straight to a server's stream; its answer.
+    `stored`: store that package's archive in the organisation's namespace first, as its trainer would."""
+    from envsdk.archive import pack
+    from envsdk.remote_wire import package_key
+
+    if stored is not None:
+        archive, _ = pack(stored, stored.parent / f"{stored.name}.tar.gz")
+        client.set(package_key(pool, org, sha256), archive.read_bytes())
+    key = f"probe-{secrets.token_hex(3)}"
     request = {
-        "key": "probe",
+        "key": key,
         "method": "start",
         "params": {},
-        "package": session.sandbox.package,
+        "package": sha256,
         "name": "slow",
-        "reply": pool_key(pool, "replies", "probe"),
+        "client": "probe",
         "deadline": time.time() + 30,
     }
-    redis_client.xadd(pool_key(pool, "requests", server_id), {"data": json.dumps(request)})
-    deadline = time.monotonic() + 30
-    while (answer := redis_client.get(pool_key(pool, "result", "probe"))) is None:
+    client.xadd(requests_key(pool, org, server_id), {"data": json.dumps(request)})
+    deadline = time.monotonic() + 60
+    while (answer := client.get(result_key(pool, org, key))) is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert json.loads(answer)["error"]["code"] == "package_refused"
+    return cast(dict[str, Any], json.loads(answer))
 
 
 def services_stream_len(services: Services, pool: str, server_id: str) -> int:
     client = redis.Redis.from_url(services.redis_url)
     try:
-        return int(client.xlen(pool_key(pool, "requests", server_id)))
+        return int(client.xlen(requests_key(pool, ORG, server_id)))
     finally:
         client.close()
 
 
 def test_rewards_are_scored_while_the_batch_generates_each_once(
     start_servers: Start,
-    services: Services,
+    grant: Grant,
     pool: str,
     redis_client: redis.Redis,
     tmp_path: Path,
@@ -273,7 +344,7 @@ def test_rewards_are_scored_while_the_batch_generates_each_once(
     from trainer.pipeline import RewardPipeline
 
     start_servers(2)
-    trainer_uses_pool(monkeypatch, services, pool)
+    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-pipelined"))
     rows = [
         json.loads(line) for line in (EXAMPLES / "arithmetic" / "tasks.jsonl").read_text().splitlines()[:4]
     ]
@@ -302,7 +373,7 @@ def test_rewards_are_scored_while_the_batch_generates_each_once(
         # limit when it returned); each completion was scored exactly once there
         (early,) = trainer._metrics["train"]["env_sent_early"]
         assert 0 < early <= 1
-        records = [json.loads(v) for v in redis_client.hvals(pool_key(pool, "served", "ftjob-pipelined"))]
+        records = [json.loads(v) for v in redis_client.hvals(served_key(pool, ORG, "ftjob-pipelined"))]
         assert sum(r["items"] for r in records if r["method"] == "reward_batch") == 16
         # the rewards TRL got are the package's own for exactly the completions TRL made
         completions = trainer._logs["completion"]
@@ -360,7 +431,7 @@ class Env(MultiTurnEnv):
 
 def test_a_batch_s_multi_turn_episodes_step_at_once_across_servers(
     start_servers: Start,
-    services: Services,
+    grant: Grant,
     pool: str,
     redis_client: redis.Redis,
     tmp_path: Path,
@@ -371,7 +442,7 @@ def test_a_batch_s_multi_turn_episodes_step_at_once_across_servers(
 
     package = write_package(tmp_path, "turns", TURNS)
     servers = start_servers(2)
-    trainer_uses_pool(monkeypatch, services, pool)
+    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-turns"))
     rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(4)]
     environment = {"package_dir": str(package), "config": {}}
     spec = read_spec(
@@ -391,5 +462,151 @@ def test_a_batch_s_multi_turn_episodes_step_at_once_across_servers(
         spans = sorted(e.info["spans"][turn] for e in episodes)
         overlapping = [a for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1]]
         assert overlapping, spans
-    served = [json.loads(v) for v in redis_client.hvals(pool_key(pool, "served", "ftjob-turns"))]
+    served = [json.loads(v) for v in redis_client.hvals(served_key(pool, ORG, "ftjob-turns"))]
     assert {r["server"] for r in served if r["method"] == "step"} == set(servers)
+
+
+REMEMBERS = """
+from envsdk import SingleTurnEnv
+
+SEEN = []  # module state: it lives as long as the sandbox's process
+
+
+class Env(SingleTurnEnv):
+    def reward(self, task, completion):
+        SEEN.append(task["secret"])
+        raise ValueError("seen " + ",".join(sorted(set(SEEN))))
+"""
+
+
+def seen(remote: RemoteSandbox, secret: str) -> str:
+    """The error the package answers a reward of a task carrying `secret` with: what its process has seen."""
+    [result] = remote.reward_batch([{"task": {"secret": secret}, "completion": "x"}])
+    assert result["reward"] is None
+    return str(result["error"])
+
+
+def test_an_organisation_s_calls_never_run_in_a_sandbox_that_served_another_s(
+    start_servers: Start, grant: Grant, pool: str, tmp_path: Path
+) -> None:
+    package = write_package(tmp_path, "remembers", REMEMBERS)
+    start_servers(1, capacity=1)  # one sandbox per package: the same one for every call, were they shared
+    a, b = grant("org-aaa", "ftjob-a"), grant("org-bbb", "ftjob-b")
+    remote_a = RemoteSandbox(a.url, package, org="org-aaa", pool=pool, job_id="ftjob-a")
+    remote_b = RemoteSandbox(b.url, package, org="org-bbb", pool=pool, job_id="ftjob-b")
+    try:
+        remote_a.start()
+        remote_b.start()
+        assert remote_a.package == remote_b.package  # the same package, byte for byte
+        assert seen(remote_a, "secret-of-a") == "ValueError: seen secret-of-a"
+        assert seen(remote_b, "secret-of-b") == "ValueError: seen secret-of-b"
+        # each organisation's sandbox goes on remembering its own organisation's tasks only
+        assert seen(remote_a, "more-of-a") == "ValueError: seen more-of-a,secret-of-a"
+    finally:
+        remote_a.close()
+        remote_b.close()
+
+
+def test_a_request_reaches_only_its_own_organisation_s_state(
+    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
+) -> None:
+    ((server_id, _),) = start_servers(1).items()
+    a, b = grant("org-aaa", "ftjob-a"), grant("org-bbb", "ftjob-b")
+    remote_a = RemoteSandbox(a.url, EXAMPLES / "guess_number", org="org-aaa", pool=pool, job_id="ftjob-a")
+    # B's trainer names A's job, to find A's episodes
+    remote_b = RemoteSandbox(b.url, EXAMPLES / "arithmetic", org="org-bbb", pool=pool, job_id="ftjob-a")
+    try:
+        remote_a.start()
+        remote_b.start()
+        episode = remote_a.call("reset", {"task": guess_task()})["episode_id"]
+        # resuming A's open episode from B's namespace finds no state there: B never sees A's task
+        with pytest.raises(SandboxError) as lost:
+            remote_b.gather([remote_b.submit("resume", {"episode_id": episode})])
+        assert lost.value.code == "episode_lost"
+        # the registrations B's trainer reads list none of A's packages (each heartbeat writes them)
+        deadline = time.monotonic() + 10
+        while [r.packages for r in live_servers(redis_client, pool, "org-aaa").values()] != [
+            [remote_a.package]
+        ]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert [r.packages for r in live_servers(redis_client, pool, "org-bbb").values()] == [
+            [remote_b.package]
+        ]
+    finally:
+        remote_a.close()
+        remote_b.close()
+    # a package named by a path, to reach A's unpacked copy on the server, is refused
+    answer = probe(redis_client, pool, "org-bbb", server_id, f"../org-aaa/{remote_a.package}")
+    assert answer["error"] == {
+        "code": "package_invalid",
+        "message": "a request named a package by something not a sha256",
+    }
+
+
+def test_a_trainer_s_redis_user_reaches_its_organisation_s_namespace_only(
+    start_servers: Start, grant: Grant, services: Services, pool: str, redis_client: redis.Redis
+) -> None:
+    ((server_id, _),) = start_servers(1).items()
+    granted = grant("org-aaa", "ftjob-a")
+    assert granted.scoped and granted.user in set(redis_client.acl_users())
+    trainer = redis.Redis.from_url(granted.url)
+    try:
+        # its own namespace: the registrations, its requests, its package
+        assert set(live_servers(trainer, pool, "org-aaa")) == {server_id}
+        assert trainer.set(f"tunegate:envpool:{pool}:org:org-aaa:package:x", b"1") is True
+        # another organisation's namespace, the pool's own keys, the gateway's: NOPERM, for every command
+        outside = [
+            lambda: trainer.xadd(requests_key(pool, "org-bbb", server_id), {"data": "{}"}),
+            lambda: trainer.get(f"tunegate:envpool:{pool}:org:org-bbb:result:k"),
+            lambda: trainer.set(f"tunegate:envpool:{pool}:org:org-aaaa:x", b"1"),  # a longer id's prefix
+            lambda: trainer.smembers(f"tunegate:envpool:{pool}:servers"),
+            lambda: trainer.get(f"tunegate:envpool:{pool}:grants"),
+            lambda: trainer.zcard("tunegate:jobs"),  # the job queue
+            lambda: trainer.keys("*"),
+            lambda: trainer.scan(),
+            lambda: trainer.hgetall(
+                f"tunegate:envpool:{pool}:org:org-aaa:served:ftjob-a"
+            ),  # not a command of its
+            lambda: trainer.execute_command("ACL", "LIST"),
+            lambda: trainer.config_get("*"),
+            lambda: trainer.publish("tunegate", "x"),
+            lambda: trainer.flushall(),
+            lambda: trainer.eval("return 1", 0),
+        ]
+        for call in outside:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                call()
+        assert redis_client.exists(f"tunegate:envpool:{pool}:servers")  # nothing of the pool was touched
+    finally:
+        trainer.close()
+    # revoked (the trainer ended): the user is gone, and so is the grant its servers served
+    on_redis(services, lambda c: redis_acl.revoke(c, granted))
+    assert granted.user not in set(redis_client.acl_users())
+    assert not redis_client.hexists(f"tunegate:envpool:{pool}:grants", granted.user)
+    with pytest.raises(redis.exceptions.AuthenticationError):
+        redis.Redis.from_url(granted.url).ping()
+
+
+def test_the_grant_of_a_trainer_whose_worker_died_is_swept(
+    grant: Grant, services: Services, pool: str, redis_client: redis.Redis
+) -> None:
+    dead = grant("org-aaa", "ftjob-dead")
+    # its worker died: nobody renews the lease, which runs out
+    lease = json.loads(redis_client.hget(f"tunegate:envpool:{pool}:grants", dead.user) or b"{}")
+    lease["expires_at"] = time.time() - 1
+    redis_client.hset(f"tunegate:envpool:{pool}:grants", dead.user, json.dumps(lease))
+    live = grant("org-bbb", "ftjob-live")  # the next grant on any worker sweeps it
+    users = set(redis_client.acl_users())
+    assert dead.user not in users and live.user in users
+    grants = {k.decode() for k in redis_client.hkeys(f"tunegate:envpool:{pool}:grants")}
+    assert grants == {live.user}
+
+
+def test_the_trainer_s_url_names_its_own_user() -> None:
+    url = redis_acl.scoped_url("redis://:deployment@redis:6379/2?socket_timeout=5", "tunegate-job-x", "p/w")
+    assert url == "redis://tunegate-job-x:p%2Fw@redis:6379/2?socket_timeout=5"
+    unix = redis_acl.scoped_url("unix:///run/redis.sock?db=0&password=deployment", "u", "p")
+    assert unix == "unix://u:p@/run/redis.sock?db=0"
+    kwargs = redis.connection.parse_url(unix)
+    assert (kwargs["username"], kwargs["password"], kwargs["path"]) == ("u", "p", "/run/redis.sock")

@@ -8,6 +8,8 @@ from pathlib import Path
 from envsdk.remote import RemoteSandbox
 from envsdk.venvs import READY
 from gateway.settings import Settings
+from gateway.worker import redis_acl
+from tests.envsdk.test_env_server import on_redis
 from tests.envsdk.test_envsdk_venvs import PROBE_ENV, make_wheel, write_package
 from tests.support.stack import Services
 from tunegate.processes import EnvServerProcess
@@ -22,7 +24,13 @@ def test_env_server_builds_the_missing_venv(services: Services, tmp_path: Path, 
     cache = settings.venv_builder().root
     assert not cache.exists()  # the server has never built this set
     server = EnvServerProcess(settings, tmp_path / "server.log", overrides={"TUNEGATE_ENV_POOL": pool})
-    remote = RemoteSandbox(services.redis_url, package, pool=pool, job_id="ftjob-requirements")
+    granted = on_redis(
+        services,
+        lambda c: redis_acl.grant(
+            c, redis_url=services.redis_url, pool=pool, org_id="org-reqs", job_id="ftjob-requirements"
+        ),
+    )
+    remote = RemoteSandbox(granted.url, package, org="org-reqs", pool=pool, job_id="ftjob-requirements")
     try:
         server.wait_registered()
         remote.start()
@@ -31,5 +39,6 @@ def test_env_server_builds_the_missing_venv(services: Services, tmp_path: Path, 
     finally:
         remote.close()
         server.kill()
+        on_redis(services, lambda c: redis_acl.revoke(c, granted))
     [venv] = [p for p in cache.iterdir() if p.name != ".locks"]
     assert (venv / READY).is_file()

@@ -29,6 +29,7 @@ from trainer.spec.hyperparameters import (
     DEFAULTS_FILE,
     DEVICES_BY_SIZE,
     ENV_POOL_NAME_ENV,
+    ENV_POOL_ORG_ENV,
     ENV_POOL_REDIS_ENV,
     GENERIC_DEFAULTS,
     HYPERPARAMETERS,
@@ -65,6 +66,7 @@ from trainer.spec.tinker import TINKER_LOSSES, TINKER_REFUSED_LOSSES, tinker_los
 
 __all__ = [
     "ENV_POOL_NAME_ENV",
+    "ENV_POOL_ORG_ENV",
     "ENV_POOL_REDIS_ENV",
     "TINKER_LOSSES",
     "TINKER_REFUSED_LOSSES",

@@ -26,10 +26,14 @@ INFERENCE_KEY_ENV = "TRAINER_INFERENCE_API_KEY"
 """The environment variable that carries the key for ``TrainerSpec.inference_base_url`` (the worker sets it
 to a key minted for the job's organisation; the spec file holds no secret)."""
 ENV_POOL_REDIS_ENV = "TRAINER_ENV_POOL_REDIS_URL"
-"""The environment variable naming the Redis of the env servers' pool (set by the worker for environment
-jobs); with servers registered there, the job's environment runs on them (``trainer.envpool``)."""
+"""The environment variable naming the Redis of the env servers' pool, with the job's own Redis user (set by
+the worker for environment jobs); with servers registered there, the job's environment runs on them
+(``trainer.envpool``)."""
 ENV_POOL_NAME_ENV = "TRAINER_ENV_POOL"
 """The environment variable naming that pool (``default`` when unset)."""
+ENV_POOL_ORG_ENV = "TRAINER_ENV_POOL_ORG"
+"""The environment variable naming the job's organisation: its namespace in that pool, the only one the
+Redis user of ``ENV_POOL_REDIS_ENV`` reaches."""
 DEFAULTS_FILE = "tunegate_defaults.json"
 """A base model folder's measured training defaults: ``{"learning_rates": {method: lr}, "hyperparameters":
 {method: {name: value}}}`` (both optional)."""

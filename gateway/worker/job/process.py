@@ -18,6 +18,10 @@ organisation's, and its calls are rate-limited, held to the budget and metered u
 heartbeat renews the key; it is revoked when the trainer ends (however it ends), and by the reaper that takes
 the job back from a worker that died first (`gateway.worker.main.reap_stale`, which finds it by its name,
 `key_name`); a key nobody revoked expires within `KEY_TTL_S`.
+
+An environment job's trainer on a deployment with Redis reaches the env servers' pool with a Redis user of
+its own (`gateway.worker.redis_acl`): its organisation's namespace of the pool and nothing else, made before
+the trainer starts, renewed by the heartbeat and deleted when the trainer ends.
 """
 
 from __future__ import annotations
@@ -37,19 +41,19 @@ from typing import Any
 
 import asyncpg
 from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from envsdk.venvs import builder_env
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
 from gateway.tenancy import scoped
-from gateway.worker import store
+from gateway.worker import redis_acl, store
 from gateway.worker.context import JobContext
 from gateway.worker.devices import Device, cpu_devices, free_port, launch
 from gateway.worker.job.ingest import Progress, ProgressEvent
 from gateway.worker.resilience import until_database_answers
 from trainer.spec import (
-    ENV_POOL_NAME_ENV,
-    ENV_POOL_REDIS_ENV,
     EVENT,
     INFERENCE_KEY_ENV,
     ErrorEvent,
@@ -91,7 +95,7 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
     worker's settings. The trainer reads its spec; the database URL, the admin key and the Stripe key stay in
     the worker. `inference_key`, the job's own key for its model graders, is the one secret it gets here; an
-    environment job's trainer also gets the Redis URL of the env servers' pool (`env_pool_env`)."""
+    environment job's trainer also gets its own Redis user for the env servers' pool (`redis_acl`)."""
     env = {
         name: value
         for name, value in os.environ.items()
@@ -104,16 +108,21 @@ def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, st
     return env
 
 
-def env_pool_env(settings: Settings, method: dict[str, Any]) -> dict[str, str]:
-    """An environment job's `method`: where its trainer finds the env servers (`trainer.envpool`), and
-    where it finds, or builds, its package's venv (`envsdk.venvs`, the same cache as the uploads')."""
+def is_environment_job(method: dict[str, Any]) -> bool:
     method = method or {}
-    if not (method.get(str(method.get("type")), {}) or {}).get("environment"):
-        return {}
-    env = builder_env(settings.venv_builder())
-    if settings.redis_url:
-        env.update({ENV_POOL_REDIS_ENV: settings.redis_url, ENV_POOL_NAME_ENV: settings.env_pool})
-    return env
+    return bool((method.get(str(method.get("type")), {}) or {}).get("environment"))
+
+
+def environment_env(settings: Settings, method: dict[str, Any]) -> dict[str, str]:
+    """An environment job's `method`: where its trainer finds, or builds, its package's venv
+    (`envsdk.venvs`, the same cache as the uploads')."""
+    return builder_env(settings.venv_builder()) if is_environment_job(method) else {}
+
+
+def uses_env_pool(settings: Settings, method: dict[str, Any]) -> bool:
+    """Whether the job's trainer gets a Redis user for the env servers' pool (`trainer.envpool` runs the
+    environment there when a server of the pool is registered)."""
+    return bool(settings.redis_url) and is_environment_job(method)
 
 
 def die_with_parent(cpus: set[int] | None = None) -> None:
@@ -166,8 +175,11 @@ class TrainerProcess:
         self.key_id: str | None = None
         """The key minted for this run's model graders, while the trainer runs."""
         self.key_renewed = 0.0
-        self.env_pool = env_pool_env(ctx.settings, ctx.row.method)
-        """The env servers' Redis and pool, for an environment job's trainer."""
+        self.environment = environment_env(ctx.settings, ctx.row.method)
+        """Where an environment job's trainer finds its package's venv."""
+        self.pool_grant: redis_acl.PoolGrant | None = None
+        """The trainer's Redis user for the env servers' pool, while it runs."""
+        self._pool_redis: Redis | None = None
 
     async def run(
         self, spec: Path, *, with_key: bool, record: Callable[[ProgressEvent], Awaitable[None]]
@@ -197,7 +209,48 @@ class TrainerProcess:
     async def _run(
         self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
     ) -> RunOutcome:
-        env = {**env, **self.env_pool}
+        pool_env = await self._grant_pool()
+        try:
+            return await self._run_trainer(spec, {**env, **self.environment, **pool_env}, record)
+        finally:
+            await asyncio.shield(self._revoke_pool())
+
+    async def _grant_pool(self) -> dict[str, str]:
+        """The trainer's variables for the env servers' pool, with a Redis user made for this run; none when
+        the job uses no pool, or Redis does not answer (the trainer then runs its environment itself)."""
+        settings = self.ctx.settings
+        if not settings.redis_url or not uses_env_pool(settings, self.ctx.row.method):
+            return {}
+        self._pool_redis = Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        try:
+            self.pool_grant = await redis_acl.grant(
+                self._pool_redis,
+                redis_url=settings.redis_url,
+                pool=settings.env_pool,
+                org_id=self.ctx.org_id,
+                job_id=self.ctx.id,
+            )
+        except (RedisError, OSError) as exc:
+            logger.warning("job %s: no access to the env servers' pool (%s)", self.ctx.id, exc)
+            return {}
+        return self.pool_grant.env
+
+    async def _revoke_pool(self) -> None:
+        client, granted = self._pool_redis, self.pool_grant
+        self._pool_redis = self.pool_grant = None
+        if client is None:
+            return
+        try:
+            if granted is not None:
+                await redis_acl.revoke(client, granted)
+        except (RedisError, OSError) as exc:  # its lease runs out and a later grant or revoke sweeps it
+            logger.warning("job %s: could not revoke its env pool user: %s", self.ctx.id, exc)
+        finally:
+            await client.aclose()
+
+    async def _run_trainer(
+        self, spec: Path, env: dict[str, str], record: Callable[[ProgressEvent], Awaitable[None]]
+    ) -> RunOutcome:
         stderr_path = self.workdir / "trainer.log"
         plan = launch(self.devices, str(spec), parameters=self.parameters, port=free_port())
         with open(stderr_path, "ab") as stderr:  # noqa: ASYNC230 - opening a log file is instant
@@ -279,6 +332,11 @@ class TrainerProcess:
             except (OSError, asyncpg.PostgresError) as exc:
                 logger.warning("job %s: heartbeat failed: %s", self.ctx.id, exc)
                 continue
+            if self.pool_grant is not None and self._pool_redis is not None:
+                try:
+                    await redis_acl.renew(self._pool_redis, self.pool_grant)
+                except (RedisError, OSError) as exc:
+                    logger.warning("job %s: could not renew its env pool user: %s", self.ctx.id, exc)
             if status != "running" and self.stop_reason is None:
                 logger.info("job %s is %s: stopping its trainer", self.ctx.id, status)
                 await self.stop(status or "lost")
