@@ -127,8 +127,9 @@ class Settings(BaseSettings):
     neither bubblewrap nor unshare works. Never on a shared deployment."""
     env_pool: str = "default"
     """Pool of env servers (`tunegate env-server`) that serve this deployment's environment jobs. A worker
-    tells its trainers the Redis URL and this name; with a server of the pool registered, a job's rollouts
-    and rewards run there, else in the trainer's own sandbox. Env servers name the same pool."""
+    gives its trainers this name and a Redis user of their own for it; with a server of the pool registered,
+    a job's rollouts and rewards run there, else in the trainer's own sandbox. Env servers name the same
+    pool."""
     worker_metrics_port: int | None = None
     """Port of a worker's Prometheus `/metrics` (its trainers' environment wait per step and retries);
     unset: none."""
