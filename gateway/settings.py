@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from envsdk.manifest import Maxima
@@ -34,6 +35,9 @@ class BaseModelConfig(BaseModel):
     is refused with 400. Unset: the `max_position_embeddings` of the model's `config.json` where the gateway
     can read it, else 1048576."""
 
+
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for `--max-lora-rank` (`engine_max_lora_rank`)."""
 
 BASE_MODELS_FILE = "base_models.json"
 """Base models registered in the data dir by `tunegate models add`: `{"name": {"path": "/folder"}}`."""
@@ -75,7 +79,30 @@ class Settings(BaseSettings):
     port: int = 8000
     """Port the gateway listens on."""
     engine_port: int = 8100
-    """Port of the embedded inference engine that `tunegate up` starts."""
+    """Port of the inference engine that `tunegate up` starts (vLLM serves one base model a process: the
+    next base models get the ports after it)."""
+    engine: Literal["auto", "vllm", "embedded"] = "embedded"
+    """The engine `tunegate up` serves base models with: `vllm` (installed by `scripts/install-vllm`; it
+    fails to start without it), `embedded` (`python -m inference`), or `auto` (vLLM where it is installed
+    and can run, else the embedded engine)."""
+    engine_max_loras: int = Field(default=8, ge=1)
+    """Distinct adapters one engine batches together (vLLM's `--max-loras`); the embedded engine also keeps
+    this many resident per base model."""
+    engine_max_cpu_loras: int | None = Field(default=None, ge=1)
+    """vLLM: adapters kept in host memory (`--max-cpu-loras`, at least `engine_max_loras`); unset: twice
+    `engine_max_loras`. The embedded engine has no such second tier."""
+    engine_max_lora_rank: int = 64
+    """vLLM reserves memory for adapters up to this rank and refuses a higher one (`--max-lora-rank`: 8, 16,
+    32, 64, 128, 256, 320 or 512). The embedded engine loads any rank."""
+    engine_max_model_len: int | None = Field(default=None, ge=1)
+    """vLLM: most tokens of prompt and completion in one request (`--max-model-len`); unset: the model's
+    own context. The embedded engine always uses the model's own."""
+    engine_kv_cache_gib: float | None = Field(default=None, gt=0)
+    """vLLM's KV cache, in GiB (`--kv-cache-memory-bytes`); unset: 1 GiB on CPUs (unsized, vLLM takes a
+    share of the machine's free memory), vLLM's own share of GPU memory on GPUs."""
+    engine_vllm_venv: Path | None = None
+    """The virtual environment that holds vLLM; unset: `.venv-vllm` beside the project (where
+    `scripts/install-vllm` puts it), else the one this process runs in."""
 
     base_models: dict[str, BaseModelConfig] = Field(default_factory=_default_base_models)
     """Base-model registry (JSON): `{"tiny-chat": {"path": "/models/tiny", "upstreams": ["http://h:8100"]}}`;
@@ -283,6 +310,13 @@ class Settings(BaseSettings):
     `http://gw:8000/v1`. Unset: `http://<host>:<port>/v1`."""
     api_key: SecretStr | None = None
     """API key (`sk-tg-...`) the `tunegate` client commands use. Unset: `--api-key` must name one."""
+
+    @field_validator("engine_max_lora_rank")
+    @classmethod
+    def _lora_rank_vllm_accepts(cls, value: int) -> int:
+        if value not in LORA_RANKS:
+            raise ValueError(f"must be one of {', '.join(map(str, LORA_RANKS))} (the ranks vLLM accepts)")
+        return value
 
     @model_validator(mode="after")
     def _registered_base_models(self) -> Settings:

