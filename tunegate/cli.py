@@ -38,7 +38,14 @@ def up(
     host: Annotated[str | None, typer.Option(help="Address to bind.")] = None,
     port: Annotated[int | None, typer.Option(help="Gateway port.")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where everything is kept.")] = None,
-    engine_port: Annotated[int | None, typer.Option(help="Port of the embedded inference engine.")] = None,
+    engine_port: Annotated[
+        int | None,
+        typer.Option(help="Port of the inference engine (vLLM: one a base model, from this port on)."),
+    ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="What serves the base models: vllm, embedded, or auto (vLLM where it can run)."),
+    ] = None,
 ) -> None:
     """Run the whole stack in the foreground (embedded PostgreSQL and Redis when no URLs are set)."""
     from tunegate.stack import run_stack
@@ -52,6 +59,11 @@ def up(
         overrides["data_dir"] = data_dir
     if engine_port is not None:
         overrides["engine_port"] = engine_port
+    if engine is not None:
+        if engine not in ("auto", "vllm", "embedded"):
+            typer.echo(f"--engine must be auto, vllm or embedded, not {engine!r}.", err=True)
+            raise typer.Exit(2)
+        overrides["engine"] = engine
     settings = Settings(**overrides)  # type: ignore[arg-type]
     _logging(settings)
     raise typer.Exit(run_stack(settings))

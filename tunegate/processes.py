@@ -337,6 +337,7 @@ class EngineProcess(Process):
         host: str = "127.0.0.1",
         device: str | None = None,
         log_level: str | None = None,
+        max_loras: int | None = None,
         launcher: Sequence[str] = (),
         cwd: Path | None = None,
         die_with_parent: bool = False,
@@ -347,6 +348,8 @@ class EngineProcess(Process):
             argv += ["--model", f"{name}={path}"]
         if device is not None:
             argv += ["--device", device]
+        if max_loras is not None:
+            argv += ["--max-loras", str(max_loras)]
         if log_level is not None:
             argv += ["--log-level", log_level]
         super().__init__(argv, log_path, name="engine", cwd=cwd, die_with_parent=die_with_parent)

@@ -1,9 +1,10 @@
 """`tunegate up`: the whole stack on one machine, in the foreground; and the settings of a stack of its own.
 
 `run_stack`: embedded PostgreSQL and Redis when no URLs are set (`tunegate.services`), the tiny base model
-made when missing, an inference engine for base models that name no upstream, a worker process, and the
-gateway. The engine and the worker are supervised (`tunegate.processes.Supervisor`): one that exits is started
-again, with backoff. Ctrl-C or SIGTERM stops everything, the embedded servers last.
+made when missing, inference engines for base models that name no upstream (the embedded engine, or vLLM:
+the `engine` setting, `tunegate.vllm_process`), a worker process, and the gateway. The engines and the
+worker are supervised (`tunegate.processes.Supervisor`): one that exits is started again, with backoff.
+Ctrl-C or SIGTERM stops everything, the embedded servers last.
 
 `private_settings`: the settings of a stack that shares its servers with others (the tests' and the
 benches'): a fresh admin key, a free port and a queue of its own.
@@ -15,13 +16,16 @@ import asyncio
 import logging
 import secrets
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from gateway.db import migrate
 from gateway.settings import BaseModelConfig, Settings
-from tunegate.processes import EngineProcess, Supervisor, WorkerProcess, free_port
+from inference.vllm import VllmUnavailable
+from tunegate.processes import Supervisor, WorkerProcess, free_port
 from tunegate.services import Services
+from tunegate.vllm_process import EngineChoice, VllmEngineProcess, engine_processes
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,18 @@ def prepare(settings: Settings) -> tuple[Services, str]:
     return services, key
 
 
+def _say_engines(choice: EngineChoice) -> None:
+    """Which engine serves which base model (and why `auto` fell back to the embedded one)."""
+    if choice.reason:
+        print(f"vLLM is not used: {choice.reason}", flush=True)
+    for process in choice.processes:
+        what = "the embedded engine"
+        if isinstance(process, VllmEngineProcess):
+            what = f"vLLM {process.install.version} ({'CPU' if process.install.on_cpu else 'CUDA'} build)"
+        models = ", ".join(n for n, url in choice.served_by.items() if url == process.url)
+        print(f"{models}: served by {what} at {process.url}", flush=True)
+
+
 def run_stack(settings: Settings) -> int:
     """Run the stack until Ctrl-C or SIGTERM; returns the exit code."""
     services: Services | None = None
@@ -83,16 +99,17 @@ def run_stack(settings: Settings) -> int:
         engine_models = {
             n: str(settings.base_model_path(n)) for n, e in settings.base_models.items() if not e.upstreams
         }
-        engine = None
-        if engine_models:
-            engine = supervisor.watch(
-                EngineProcess(engine_models, settings.engine_port, die_with_parent=True)
-            )
-            for name in engine_models:
-                settings.base_models[name].upstreams = [engine.url]
+        choice = engine_processes(settings, engine_models) if engine_models else None
+        if choice is not None:
+            for process in choice.processes:
+                supervisor.watch(process)
+            for name, url in choice.served_by.items():
+                settings.base_models[name].upstreams = [url]
         supervisor.watch(WorkerProcess(settings, die_with_parent=True))
-        if engine is not None:
-            engine.wait_ready(120)
+        if choice is not None:
+            for process in choice.processes:
+                process.wait_ready()
+            _say_engines(choice)
         from gateway.app import create_app
         from gateway.httpserver import serve
 
@@ -101,6 +118,9 @@ def run_stack(settings: Settings) -> int:
         return 0
     except KeyboardInterrupt:
         return 0
+    except VllmUnavailable as exc:
+        print(f"tunegate up: --engine vllm, but {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         supervisor.stop()
         if services is not None:

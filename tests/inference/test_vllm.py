@@ -1,0 +1,427 @@
+"""vLLM as tunegate's engine, for real: the build `scripts/install-vllm` installs, serving the tiny model
+under the supervisor (the `vllm_server` fixture), behind a gateway.
+
+- the greedy answers of the base model and of an adapter loaded at run time equal the embedded engine's;
+- bad input that reaches an engine answers OpenAI's envelope through the gateway, on both engines, and
+  where vLLM answers otherwise the difference is here with its reason;
+- a vLLM that dies mid-stream: the client gets an error event, the supervisor starts it again (its engine
+  core and worker killed with it), and the next request, for an adapter too, is answered.
+
+Skipped where vLLM is not installed or cannot run. `test_contract.py` holds both engines to one contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.settings import BaseModelConfig, Settings
+from inference.vllm import VllmUnavailable
+from tests.inference.conftest import VLLM_MAX_LORA_RANK, RunningServer
+from tests.support.data import BASE, MESSAGES
+from tests.support.engine import make_lora_adapter, register_model
+from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
+from tunegate.processes import EngineProcess, free_port, wait_port
+from tunegate.vllm_process import VllmEngineProcess, engine_processes
+
+pytestmark = pytest.mark.timeout(900)  # vLLM's start: three processes import torch and vLLM
+
+UNSERVED = "other-chat"
+"""A base model the gateway routes to the engine, which serves no model of that name."""
+LONG_PROMPT: Any = [{"role": "user", "content": "a b " * 1100}]
+"""2229 tokens of tiny-chat with its chat template: over the embedded engine's context (the model's 2048)
+and the test vLLM's `--max-model-len` (1024), under what the gateway's own estimate refuses."""
+
+
+@pytest.fixture(scope="module")
+def gateways(
+    services: Services,
+    database: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    engine_server: RunningServer,
+    vllm_server: VllmEngineProcess,
+) -> Iterator[dict[str, GatewayServer]]:
+    """A gateway on each engine, `tiny-chat` and `other-chat` both routed to it."""
+    started: dict[str, GatewayServer] = {}
+    for name, url in (("embedded", engine_server.url), ("vllm", vllm_server.url)):
+        settings = make_settings(
+            data_dir=tmp_path_factory.mktemp(f"{name}-gw"),
+            database_url=database,
+            redis_url=services.redis_url,
+            tiny_model=tiny_model_dir,
+        )
+        settings.base_models[BASE].upstreams = [url]
+        settings.base_models[UNSERVED] = BaseModelConfig(path=tiny_model_dir, upstreams=[url])
+        started[name] = GatewayServer(settings).start()
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def rank32_adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_lora_adapter(tiny_model_dir, tmp_path_factory.mktemp("rank32") / "lora", seed=5, rank=32)
+
+
+def _tenant(gateway: GatewayServer) -> Tenant:
+    return admin_of(gateway).tenant("vllm-" + secrets.token_hex(3))
+
+
+def _ft_model(gateway: GatewayServer, org: Tenant, adapter: str | Path) -> str:
+    """A fine-tuned model of `org` on `adapter`, as the worker records one when a job succeeds."""
+    model_id = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
+    assert gateway.settings.database_url is not None
+    register_model(gateway.settings.database_url, org.org_id, model_id, str(adapter))
+    return model_id
+
+
+def _error(exc: openai.APIStatusError) -> tuple[int, dict[str, Any]]:
+    body = exc.response.json()
+    assert set(body) == {"error"}
+    return exc.status_code, body["error"]
+
+
+# ------------------------------------------------------------------------------------- same answers
+def test_greedy_answers_match_the_embedded_engine(
+    engine_server: RunningServer, vllm_server: VllmEngineProcess, adapter_dirs: list[Path]
+) -> None:
+    """float32 on both: the same tokens for the base model and for a PEFT adapter loaded at run time."""
+    name = "same-" + secrets.token_hex(3)
+    answers: dict[str, list[str | None]] = {}
+    for engine, url in (("embedded", engine_server.url), ("vllm", vllm_server.url)):
+        loaded = httpx.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dirs[1])}
+        )
+        assert loaded.status_code == 200, loaded.text
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+        answers[engine] = [
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=16, temperature=0)
+            .choices[0]
+            .message.content
+            for model in (BASE, name)
+        ]
+    assert answers["vllm"] == answers["embedded"]
+    assert answers["vllm"][0] != answers["vllm"][1]  # the adapter changes the answer
+
+
+# -------------------------------------------------------------------------------------- bad input
+BAD_INPUT: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {
+    "embedded": {
+        "long prompt": (
+            400,
+            {
+                "message": "The prompt has 2229 tokens; this model's context is 2048.",
+                "type": "invalid_request_error",
+                "param": "messages",
+                "code": "context_length_exceeded",
+            },
+        ),
+        "unserved model": (
+            404,
+            {
+                "message": "The model `other-chat` does not exist.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            },
+        ),
+    },
+    "vllm": {
+        # vLLM names the tokens it counted, not the request's field, and its code is the HTTP status
+        # (an integer), which the gateway drops: OpenAI's `context_length_exceeded` is missing.
+        "long prompt": (
+            400,
+            {
+                "message": "This model's maximum context length is 1024 tokens. However, your prompt contains"
+                " at least 1025 input tokens, which exceeds this limit even without any output tokens."
+                " Please reduce the length of the input prompt. (parameter=input_tokens, value=1025)",
+                "type": "invalid_request_error",
+                "param": "input_tokens",
+                "code": None,
+            },
+        ),
+        "unserved model": (
+            404,
+            {
+                "message": "The model `other-chat` does not exist. Valid aliases: tiny-chat.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": None,
+            },
+        ),
+    },
+}
+"""What a gateway answers, by engine, for a request that the engine refuses."""
+
+ADAPTER_LOAD_FAILED = {
+    "type": "server_error",
+    "param": None,
+    "code": "adapter_load_failed",
+}
+"""The gateway's answer when the engine refuses to load a fine-tuned model's adapter (with a message
+naming the model)."""
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+@pytest.mark.parametrize("case", ["long prompt", "unserved model"])
+def test_refused_requests_answer_openai_envelope(
+    gateways: dict[str, GatewayServer], engine: str, case: str
+) -> None:
+    org = _tenant(gateways[engine])
+    model, messages = (BASE, LONG_PROMPT) if case == "long prompt" else (UNSERVED, MESSAGES)
+    with pytest.raises(openai.APIStatusError) as info:
+        org.client.chat.completions.create(model=model, messages=messages, max_tokens=4)
+    assert _error(info.value) == BAD_INPUT[engine][case]
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_missing_adapter_folder_is_a_load_failure(
+    gateways: dict[str, GatewayServer], engine: str, tmp_path: Path
+) -> None:
+    org = _tenant(gateways[engine])
+    model = _ft_model(gateways[engine], org, tmp_path / "gone")
+    with pytest.raises(openai.InternalServerError) as info:
+        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+    status, error = _error(info.value)
+    assert status == 500
+    assert error == {
+        **ADAPTER_LOAD_FAILED,
+        "message": f"The inference engine could not load model '{model}'.",
+    }
+
+
+def test_rank_above_max_lora_rank(
+    gateways: dict[str, GatewayServer], vllm_server: VllmEngineProcess, rank32_adapter: Path
+) -> None:
+    """vLLM reserves memory for ranks up to `--max-lora-rank` and refuses a higher one, with a 500 of its
+    own; through the gateway, a load failure. (The embedded engine loads any rank.)"""
+    direct = httpx.post(
+        f"{vllm_server.url}/v1/load_lora_adapter",
+        json={"lora_name": "r32-" + secrets.token_hex(3), "lora_path": str(rank32_adapter)},
+    )
+    assert direct.status_code == 500
+    error = direct.json()["error"]
+    assert error["type"] == "InternalServerError"
+    assert f"LoRA rank 32 is greater than max_lora_rank {VLLM_MAX_LORA_RANK}" in error["message"]
+
+    org = _tenant(gateways["vllm"])
+    model = _ft_model(gateways["vllm"], org, rank32_adapter)
+    with pytest.raises(openai.InternalServerError) as info:
+        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+    assert _error(info.value) == (
+        500,
+        {**ADAPTER_LOAD_FAILED, "message": f"The inference engine could not load model '{model}'."},
+    )
+
+
+# ------------------------------------------------------------------------------------- restart
+def _alive_in_group(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that still run (zombies are dead)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def test_vllm_killed_mid_stream_is_restarted_and_serves_adapters_again(
+    gateways: dict[str, GatewayServer], vllm_server: VllmEngineProcess, adapter_dirs: list[Path]
+) -> None:
+    gateway = gateways["vllm"]
+    org = _tenant(gateway)
+    model = _ft_model(gateway, org, adapter_dirs[2])
+    first = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert first.model == model
+
+    old_pid = vllm_server.pid
+    stream = org.client.chat.completions.create(
+        model=model,
+        messages=MESSAGES,
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},  # vLLM's: a generation long enough to be cut
+    )
+    chunks = iter(stream)
+    assert next(chunks).choices[0].delta.role == "assistant"
+    vllm_server.proc.kill()
+    with pytest.raises(openai.APIError) as info:
+        for _ in chunks:
+            pass
+    assert info.value.body == {
+        "message": info.value.message,
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    assert info.value.message.startswith("The inference engine stream failed")
+
+    # The supervisor starts it again; the engine core and worker of the killed start are gone with it.
+    deadline = time.monotonic() + 60
+    while (vllm_server.pid == old_pid or _alive_in_group(old_pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert vllm_server.pid != old_pid
+    assert _alive_in_group(old_pid) == []
+    vllm_server.wait_ready()
+    again = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+# -------------------------------------------------------------------------------- tunegate up's choice
+def _engine_settings(tmp_path: Path, **values: Any) -> Settings:
+    return Settings(data_dir=tmp_path / "data", engine_port=free_port(), **values)
+
+
+def test_auto_falls_back_to_the_embedded_engine_and_says_why(tmp_path: Path, tiny_model_dir: Path) -> None:
+    settings = _engine_settings(
+        tmp_path, engine="auto", engine_vllm_venv=tmp_path / "none", engine_max_loras=3
+    )
+    choice = engine_processes(settings, {BASE: str(tiny_model_dir)}, die_with_parent=False)
+    try:
+        assert choice.engine == "embedded"
+        assert (
+            choice.reason
+            == f"vLLM is not installed in {tmp_path / 'none'} (scripts/install-vllm installs it)"
+        )
+        (process,) = choice.processes
+        assert isinstance(process, EngineProcess)
+        assert choice.served_by == {BASE: f"http://127.0.0.1:{settings.engine_port}"}
+        assert process.argv[process.argv.index("--max-loras") + 1] == "3"
+    finally:
+        for process in choice.processes:
+            process.stop()
+
+
+def test_engine_vllm_without_vllm_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    settings = _engine_settings(tmp_path, engine="vllm", engine_vllm_venv=tmp_path / "none")
+    with pytest.raises(VllmUnavailable, match="vLLM is not installed in"):
+        engine_processes(settings, {BASE: str(tiny_model_dir)}, die_with_parent=False)
+
+
+def test_engine_vllm_serves_each_model_on_a_port_of_its_own(
+    tmp_path: Path, tiny_model_dir: Path, vllm_server: VllmEngineProcess
+) -> None:
+    """One vLLM a base model, on `engine_port` and the ports after it, sized by the `engine_*` settings
+    (stopped before they are ready: what they would serve is in their command lines)."""
+    port = free_port()
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        engine="vllm",
+        engine_port=port,
+        engine_max_loras=2,
+        engine_max_cpu_loras=5,
+        engine_max_lora_rank=32,
+        engine_max_model_len=512,
+        engine_kv_cache_gib=0.5,
+    )
+    models = {BASE: str(tiny_model_dir), UNSERVED: str(tiny_model_dir)}
+    choice = engine_processes(settings, models, die_with_parent=False)
+    try:
+        assert choice.engine == "vllm" and choice.reason == ""
+        assert choice.served_by == {
+            BASE: f"http://127.0.0.1:{port}",
+            UNSERVED: f"http://127.0.0.1:{port + 1}",
+        }
+        for process, name in zip(choice.processes, models, strict=True):
+            assert isinstance(process, VllmEngineProcess) and process.install == vllm_server.install
+            flags = {k: process.argv[process.argv.index(k) + 1] for k in process.argv if k.startswith("--")}
+            assert {k: flags[k] for k in ("--served-model-name", "--max-loras", "--max-cpu-loras")} == {
+                "--served-model-name": name,
+                "--max-loras": "2",
+                "--max-cpu-loras": "5",
+            }
+            assert (flags["--max-lora-rank"], flags["--max-model-len"]) == ("32", "512")
+            assert flags["--kv-cache-memory-bytes"] == str(1024**3 // 2)
+    finally:
+        for process in choice.processes:
+            process.stop()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_tunegate_up_with_engine_vllm(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    own_database: str,
+    services: Services,
+    vllm_server: VllmEngineProcess,
+) -> None:
+    """`tunegate up --engine vllm`: vLLM serves the base model, `up` says so, chats go through the gateway,
+    and SIGTERM stops everything, vLLM's engine core and worker too."""
+    port, engine_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUNEGATE_")}
+    env.update(
+        TUNEGATE_DATABASE_URL=own_database,
+        TUNEGATE_REDIS_URL=services.redis_url,
+        TUNEGATE_QUEUE_NAME=f"tunegate:vllm-up:{secrets.token_hex(4)}",
+        TUNEGATE_BASE_MODELS=json.dumps({BASE: {"path": str(tiny_model_dir)}}),
+        TUNEGATE_ENGINE_KV_CACHE_GIB="0.5",
+        PYTHONUNBUFFERED="1",
+    )
+    argv = [sys.executable, "-m", "tunegate", "up", "--engine", "vllm", "--data-dir", str(tmp_path / "data")]
+    argv += ["--port", str(port), "--engine-port", str(engine_port)]
+    log = tmp_path / "up.log"
+    below: set[int] = set()
+    with log.open("w") as out:
+        up = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while "tunegate is up" not in log.read_text() and up.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        said = log.read_text().splitlines()
+        version = vllm_server.install.version
+        assert f"{BASE}: served by vLLM {version} (CPU build) at http://127.0.0.1:{engine_port}" in said
+        wait_port(port, 120, up)
+        key = (tmp_path / "data" / "admin_key").read_text().strip()
+        org = Admin(f"http://127.0.0.1:{port}", key).tenant("up-" + secrets.token_hex(3))
+        answer = org.client.chat.completions.create(
+            model=BASE, messages=MESSAGES, max_tokens=4, temperature=0
+        )
+        assert answer.model == BASE and answer.usage is not None and answer.usage.completion_tokens >= 1
+        below = _descendants(up.pid)
+        assert len(below) >= 4  # the worker, and vLLM's server, engine core and worker
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=120)
+    assert code == 0
+    assert [pid for pid in below if _state(pid) not in ("Z", "gone")] == []
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -1,0 +1,171 @@
+"""vLLM as a process of a stack, and the choice of engine for `tunegate up`.
+
+- `VllmEngineProcess`: vLLM's OpenAI server (`inference.vllm.vllm_command`) serving one base model, run by
+  the interpreter of vLLM's own venv. `wait_ready` returns once `/health` answers 200. vLLM runs as three
+  processes (the API server, its engine core and a worker); when the server dies, the other two live on,
+  holding the model's memory, so the whole process group is killed before a restart and after a stop.
+- `engine_processes`: the engine processes that serve a stack's base models, by the `engine` setting
+  (`embedded`, `vllm`, `auto`) and the `engine_*` sizes, each with the models it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+from gateway.settings import Settings
+from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, vllm_command
+from tunegate.processes import EngineProcess, Process
+
+logger = logging.getLogger(__name__)
+
+VLLM_READY_TIMEOUT_S = 600.0
+"""How long a start of vLLM may take: its three processes each import torch and vLLM (measured: 21-27 s
+alone on 2 cores, a minute while the machine is busy), plus loading the model."""
+
+_PARENT_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+"""Variables of this process's venv that would point vLLM's interpreter at the project's packages."""
+
+
+class VllmEngineProcess(Process):
+    """vLLM serving the model in `model_path` as `served_name` on `host`:`port`, with adapters loaded at run
+    time (see the module). Sizes as in `vllm_command`."""
+
+    def __init__(
+        self,
+        install: VllmInstall,
+        model_path: str | Path,
+        served_name: str,
+        port: int,
+        log_path: Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        max_loras: int = 8,
+        max_cpu_loras: int | None = None,
+        max_lora_rank: int = 64,
+        max_model_len: int | None = None,
+        kv_cache_gib: float | None = None,
+        extra_args: list[str] | None = None,
+        cwd: Path | None = None,
+        die_with_parent: bool = False,
+    ) -> None:
+        self.install = install
+        self.served_name = served_name
+        self.url = f"http://{host}:{port}"
+        argv, extra_env = vllm_command(
+            model_path,
+            served_name,
+            python=install.python,
+            on_cpu=install.on_cpu,
+            host=host,
+            port=port,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            max_lora_rank=max_lora_rank,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            extra_args=extra_args,
+        )
+        env = {k: v for k, v in os.environ.items() if k not in _PARENT_ENV}
+        env.update(extra_env, PYTHONUNBUFFERED="1")
+        super().__init__(
+            argv, log_path, env, name=f"vllm {served_name}", cwd=cwd, die_with_parent=die_with_parent
+        )
+
+    def wait_ready(self, timeout_s: float = VLLM_READY_TIMEOUT_S) -> Self:
+        """Return once `/health` answers 200 (the model is loaded and the server listens); `RuntimeError`,
+        the process stopped, if it exits first or time runs out."""
+        self._ready_or_stop(lambda: self.wait_http(f"{self.url}/health", timeout_s, status=200))
+        return self
+
+    def _kill_group(self) -> None:
+        """SIGKILL what is left of the process group of the current start (its engine core and worker)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def respawn(self) -> None:
+        self._kill_group()
+        super().respawn()
+
+    def stop(self, timeout_s: float | None = None) -> int:
+        code = super().stop(timeout_s)
+        self._kill_group()
+        return code
+
+
+@dataclass
+class EngineChoice:
+    """The engine processes of a stack (not started yet: see `engine_processes`)."""
+
+    engine: str
+    """`vllm` or `embedded`: what serves the models."""
+    processes: list[EngineProcess | VllmEngineProcess]
+    """Started processes."""
+    served_by: dict[str, str]
+    """Base model -> the URL of the engine that serves it."""
+    reason: str = ""
+    """Why `auto` chose the embedded engine (empty otherwise)."""
+
+
+def engine_processes(
+    settings: Settings,
+    models: Mapping[str, str],
+    *,
+    log_dir: Path | None = None,
+    die_with_parent: bool = True,
+) -> EngineChoice:
+    """Start the engines that serve `models` (name -> local folder) as `settings.engine` asks.
+
+    `embedded`: one `python -m inference` for all of them on `engine_port`. `vllm`: one vLLM a model, on
+    `engine_port` and the ports after it; `VllmUnavailable` when vLLM cannot run here. `auto`: vLLM where it
+    can run, else the embedded engine (`reason` says why).
+    """
+    install: VllmInstall | None = None
+    reason = ""
+    if settings.engine != "embedded":
+        try:
+            install = find_vllm(settings.engine_vllm_venv)
+        except VllmUnavailable as exc:
+            if settings.engine == "vllm":
+                raise
+            reason = str(exc)
+    if install is None:
+        log = log_dir / "engine.log" if log_dir is not None else None
+        embedded = EngineProcess(
+            models,
+            settings.engine_port,
+            log,
+            max_loras=settings.engine_max_loras,
+            die_with_parent=die_with_parent,
+        )
+        return EngineChoice("embedded", [embedded], {n: embedded.url for n in models}, reason)
+    processes: list[EngineProcess | VllmEngineProcess] = []
+    served_by: dict[str, str] = {}
+    try:
+        for i, (name, path) in enumerate(models.items()):
+            vllm = VllmEngineProcess(
+                install,
+                path,
+                name,
+                settings.engine_port + i,
+                log_dir / f"vllm-{name}.log" if log_dir is not None else None,
+                max_loras=settings.engine_max_loras,
+                max_cpu_loras=settings.engine_max_cpu_loras,
+                max_lora_rank=settings.engine_max_lora_rank,
+                max_model_len=settings.engine_max_model_len,
+                kv_cache_gib=settings.engine_kv_cache_gib,
+                die_with_parent=die_with_parent,
+            )
+            processes.append(vllm)
+            served_by[name] = vllm.url
+    except BaseException:
+        for process in processes:
+            process.stop()
+        raise
+    return EngineChoice("vllm", processes, served_by)
