@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -42,8 +42,17 @@ def _make_dirs(path: Path) -> None:
         folder.mkdir(mode=DIR_MODE, exist_ok=True)
 
 
+class BlobKeyError(ValueError):
+    """A key that does not name a place inside the store."""
+
+
 class BlobStore:
-    """Blobs addressed by relative keys like `files/<org>/<file_id>`."""
+    """Blobs addressed by relative keys like `files/<org>/<file_id>`.
+
+    Keys are made by the gateway from ids it minted, never from a client's string; the store still refuses
+    any key that is empty, absolute, holds a `..` segment or a NUL, or resolves (through a symlink, say) to
+    the root itself or outside it, so a key built wrongly fails instead of touching another tenant's files
+    or the host's."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -53,10 +62,14 @@ class BlobStore:
         self._tmp.chmod(DIR_MODE)
 
     def path(self, key: str) -> Path:
-        """Local path of a committed blob (the worker and engines read from it directly)."""
-        p = (self.root / key).resolve()
+        """Local path of a committed blob (the worker and engines read from it directly); `BlobKeyError`
+        for a key that does not name a place inside the store."""
+        relative = PurePosixPath(key)
+        if not key or "\x00" in key or relative.is_absolute() or ".." in relative.parts:
+            raise BlobKeyError(f"not a blob key: {key!r}")
+        p = (self.root / relative).resolve()
         if self.root.resolve() not in p.parents:
-            raise ValueError(f"blob key escapes the store: {key!r}")
+            raise BlobKeyError(f"blob key escapes the store: {key!r}")
         return p
 
     def new_temp(self) -> Path:
