@@ -38,7 +38,14 @@ from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
 from gateway.settings import Settings
 from gateway.tinker import store, wire
-from gateway.tinker.paths import RUN_TINKER_MODEL, SEGMENT, checkpoint_key, served_model_id, tinker_path
+from gateway.tinker.paths import (
+    RUN_TINKER_MODEL,
+    SEGMENT,
+    checkpoint_key,
+    served_model_id,
+    tinker_path,
+    workdir_key,
+)
 from gateway.tinker.rows import RequestRow, TrainingModelRow
 from gateway.worker import store as worker_store
 from gateway.worker.devices import Device, DevicePool, confine, generation_devices
@@ -123,7 +130,8 @@ class Holder:
         self.blobs: BlobStore = ctx["blobs"]
         self.worker_id: str = ctx["worker_id"]
         self.notices: Notices = ctx["notices"]
-        self.workdir = self.blobs.root / "work" / "tinker" / self.model_id.replace(":", "_")
+        # named by the row's number, not its id: nothing a client sent is in a host path
+        self.workdir = self.blobs.path(workdir_key(model.seq))
         self.process = TrainingProcess(self.workdir, device)
         self.devices: DevicePool = ctx["devices"]
         """The worker's devices: whether waiting work needs this model's (`_others_first`)."""

@@ -21,6 +21,9 @@ from gateway.tinker import service
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 SDK_KEY_PREFIX = "tml-"
+MAX_OFFSET = 2**31 - 1
+"""Largest `training_runs` offset: more runs than any organisation has, and within what the database's
+`OFFSET` takes, so a larger one is refused as the field it is (400 naming `offset`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,13 +153,16 @@ async def retrieve_future(res: ResourcesDep, who: CallerDep, body: p.FutureRetri
 
 
 @router.post("/cancel_future")
-async def cancel_future(_: CallerDep) -> dict[str, Any]:
-    return {}
+async def cancel_future(res: ResourcesDep, who: CallerDep, body: p.FutureRetrieveRequest) -> dict[str, Any]:
+    return await service.cancel(res, who.principal, body.request_id)
 
 
 @router.get("/training_runs")
 async def training_runs(
-    res: ResourcesDep, who: CallerDep, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0)
+    res: ResourcesDep,
+    who: CallerDep,
+    limit: int = Query(20, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=MAX_OFFSET),
 ) -> dict[str, Any]:
     return await service.training_runs(res, who.principal, limit, offset)
 

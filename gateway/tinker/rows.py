@@ -13,6 +13,8 @@ class TrainingModelRow:
     """A training model (a LoRA adapter), as the API lists it and its holder trains it."""
 
     id: str
+    seq: int
+    """The row's number, assigned by the database: its training process's working directory is named by it."""
     organization_id: str
     api_key_id: str
     session_id: str

@@ -8,6 +8,10 @@ Sampling goes through the gateway's own `POST /v1/completions` with the caller's
 adapter loading, rate limits, budgets and metering of chat apply to it unchanged.
 
 Another organisation's model, session, future, sampler or checkpoint answers 404, exactly like an unknown one.
+The ids a client names follow one policy (`gateway.tinker.paths`): a session it names must be one of its
+organisation's own (else 404, as an unknown one), its models and samplers live in that session, and an id it
+already uses there is refused (400 `duplicate_id`); an id of another shape is unknown (404), a `tinker://`
+path of another shape or a sequence number out of range is a bad request (400).
 """
 
 from __future__ import annotations
@@ -28,14 +32,27 @@ from gateway.tenancy.keys import Principal
 from gateway.tinker import protocol as p
 from gateway.tinker import store, wire
 from gateway.tinker.paths import (
+    MAX_SEQ_ID,
     RUN_TINKER_MODEL,
     SEGMENT,
     model_id_of,
     parse_tinker_path,
+    sampler_id_of,
     tinker_path,
+    valid_model_id,
     valid_name,
+    valid_request_id,
+    valid_sampler_id,
+    valid_seq_id,
+    valid_session_id,
 )
-from gateway.tinker.rows import CheckpointRow, ModelCheckpointRow, TrainingModelRow
+from gateway.tinker.rows import (
+    CheckpointRow,
+    FutureRow,
+    ModelCheckpointRow,
+    SamplerRow,
+    TrainingModelRow,
+)
 from trainer.spec import tinker_loss_error
 
 logger = logging.getLogger(__name__)
@@ -74,6 +91,32 @@ def capabilities(res: Resources) -> dict[str, Any]:
     return {"supported_models": models}
 
 
+# ---------------------------------------------------------------------------------------------- ids
+async def _own_session(res: Resources, who: Principal, session_id: str, *, param: str = "session_id") -> None:
+    """404 unless `session_id` is a session of the caller's organisation (another's answers as an unknown)."""
+    if not valid_session_id(session_id) or not await store.own_session(
+        res.pool, session_id=session_id, org_id=who.organization_id
+    ):
+        raise not_found("session", session_id, param=param)
+
+
+def _seq_id(seq_id: int, param: str) -> int:
+    if not valid_seq_id(seq_id):
+        message = f"'{param}' must be between 0 and {MAX_SEQ_ID}."
+        raise InvalidRequest(message, param=param, code="invalid_value")
+    return seq_id
+
+
+def _taken(what: str, ident: str, param: str) -> InvalidRequest:
+    """The answer for an id the caller's organisation already uses in its session (the SDK counts ids up from
+    0 per session, so only a client that repeats itself meets it; 400, which the SDK does not retry)."""
+    return InvalidRequest(
+        f"The {what} id '{ident}' is already in use in this session; give another '{param}'.",
+        param=param,
+        code="duplicate_id",
+    )
+
+
 # ---------------------------------------------------------------------------------------------- sessions
 async def create_session(res: Resources, who: Principal, body: p.CreateSessionRequest) -> dict[str, Any]:
     session_id = new_id("ts-")
@@ -85,7 +128,9 @@ async def create_session(res: Resources, who: Principal, body: p.CreateSessionRe
 
 
 async def heartbeat(res: Resources, who: Principal, session_id: str) -> dict[str, Any]:
-    if not await store.beat_session(res.pool, session_id=session_id, org_id=who.organization_id):
+    if not valid_session_id(session_id) or not await store.beat_session(
+        res.pool, session_id=session_id, org_id=who.organization_id
+    ):
         raise not_found("session", session_id)
     return {"type": "session_heartbeat"}
 
@@ -96,7 +141,7 @@ async def finish_session(
     """Record the end the client reports (the first report wins). Its models are saved and let their
     slots go once their open requests are answered, as idle ones are (`gateway.tinker.holder`)."""
     org_id, reason = who.organization_id, body.reason.type
-    if not await store.finish_session(
+    if not valid_session_id(session_id) or not await store.finish_session(
         res.pool, session_id=session_id, org_id=org_id, reason=reason, detail=body.detail
     ):
         raise not_found("session", session_id)
@@ -111,7 +156,9 @@ def _base(res: Resources, name: str) -> None:
 
 
 async def _model(res: Resources, who: Principal, model_id: str) -> TrainingModelRow:
-    row = await store.get_model(res.pool, model_id=model_id, org_id=who.organization_id)
+    row = None
+    if valid_model_id(model_id):
+        row = await store.get_model(res.pool, model_id=model_id, org_id=who.organization_id)
     if row is None:
         raise not_found("model", model_id, param="model_id")
     return row
@@ -133,21 +180,43 @@ async def create_model(res: Resources, who: Principal, body: p.CreateModelReques
     lora = body.lora_config or p.LoraConfig()
     if not (lora.train_attn or lora.train_mlp):
         raise InvalidRequest("Enable train_attn or train_mlp: this server trains no other layers.")
-    model_id = model_id_of(body.session_id, body.model_seq_id)
     config = {
         "rank": lora.rank,
         "seed": lora.seed,
         "train_attn": lora.train_attn,
         "train_mlp": lora.train_mlp,
     }
-    await store.create_model(
-        res.pool, model_id=model_id, org_id=who.organization_id, key_id=who.api_key_id,
-        session_id=body.session_id, base_model=body.base_model, rank=lora.rank, lora_config=config,
-        metadata=body.user_metadata,
+    model_id = await _new_model(
+        res, who, body.session_id, body.model_seq_id, base_model=body.base_model, rank=lora.rank,
+        lora_config=config, metadata=body.user_metadata,
     )  # fmt: skip
     return await _done_future(
         res, who, "create_model", {"model_id": model_id, "type": "create_model"}, model_id
     )
+
+
+async def _new_model(
+    res: Resources,
+    who: Principal,
+    session_id: str,
+    model_seq_id: int,
+    *,
+    base_model: str,
+    rank: int,
+    lora_config: dict[str, Any],
+    metadata: object,
+) -> str:
+    """Record the training model `model_seq_id` of the caller's session `session_id`; its id."""
+    _seq_id(model_seq_id, "model_seq_id")
+    await _own_session(res, who, session_id)
+    model_id = model_id_of(session_id, model_seq_id)
+    row = await store.create_model(
+        res.pool, model_id=model_id, org_id=who.organization_id, key_id=who.api_key_id,
+        session_id=session_id, base_model=base_model, rank=rank, lora_config=lora_config, metadata=metadata,
+    )  # fmt: skip
+    if row is None:
+        raise _taken("model", model_id, "model_seq_id")
+    return model_id
 
 
 async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, Any]:
@@ -239,23 +308,30 @@ async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRe
     payload: dict[str, Any] = {"name": _name(body.path, "sampler"), "ttl_seconds": body.ttl_seconds}
     if body.path is None and body.sampling_session_seq_id is not None:
         row = await _model(res, who, body.model_id)
+        sampler_id = sampler_id_of(
+            row.session_id, _seq_id(body.sampling_session_seq_id, "sampling_session_seq_id")
+        )
+        if await store.get_sampler(res.pool, sampler_id=sampler_id, org_id=who.organization_id):
+            raise _taken("sampling session", sampler_id, "sampling_session_seq_id")
         payload["session_id"] = row.session_id
-        payload["sampler_id"] = f"{row.session_id}:sample:{body.sampling_session_seq_id}"
+        payload["sampler_id"] = sampler_id
         payload["ttl_seconds"] = res.settings.tinker_ephemeral_ttl_s
     return await submit(res, who, body.model_id, "save_weights_for_sampler", payload)
 
 
 async def _checkpoint(
-    res: Resources, who: Principal, path: str, kind: str | None = None
+    res: Resources, who: Principal, path: str, kind: str | None = None, *, param: str = "path"
 ) -> ModelCheckpointRow:
+    """The caller's checkpoint at the `tinker://` path `path` (the request's field `param`): 400 for a path
+    of another shape, 404 for one of no checkpoint of the caller's organisation."""
     parsed = parse_tinker_path(path)
     if parsed is None or (kind is not None and parsed[1] != kind):
-        raise InvalidRequest(f"Invalid tinker path {path!r}.", param="path")
+        raise InvalidRequest(f"Invalid tinker path {path!r}.", param=param)
     row = await store.get_checkpoint(
         res.pool, org_id=who.organization_id, model_id=parsed[0], kind=parsed[1], name=parsed[2]
     )
     if row is None:
-        raise not_found("checkpoint", path, param="path")
+        raise not_found("checkpoint", path, param=param)
     return row
 
 
@@ -267,10 +343,8 @@ async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsReques
     if model_id is None:  # a new model made by loading the checkpoint (create_training_client_from_state)
         if body.session_id is None or body.model_seq_id is None:
             raise InvalidRequest("load_weights needs model_id, or session_id and model_seq_id.")
-        model_id = model_id_of(body.session_id, body.model_seq_id)
-        await store.create_model(
-            res.pool, model_id=model_id, org_id=who.organization_id, key_id=who.api_key_id,
-            session_id=body.session_id, base_model=ckpt.base_model, rank=ckpt.lora_rank,
+        model_id = await _new_model(
+            res, who, body.session_id, body.model_seq_id, base_model=ckpt.base_model, rank=ckpt.lora_rank,
             lora_config=ckpt.lora_config, metadata=body.user_metadata,
         )  # fmt: skip
     payload = {"dir": ckpt.path, "optimizer": body.optimizer, "path": body.path}
@@ -279,8 +353,9 @@ async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsReques
 
 # ---------------------------------------------------------------------------------------------- sampling
 async def _sampler_checkpoint(res: Resources, who: Principal, path: str) -> tuple[str, str]:
-    """`(base model, served model)` of a sampler checkpoint: the OpenAI model the engines answer for."""
-    ckpt = await _checkpoint(res, who, path, "sampler")
+    """`(base model, served model)` of a sampler checkpoint (a request's `model_path`): the OpenAI model the
+    engines answer for."""
+    ckpt = await _checkpoint(res, who, path, "sampler", param="model_path")
     assert ckpt.served_model is not None  # every sampler checkpoint is registered as a served model
     return ckpt.base_model, ckpt.served_model
 
@@ -293,29 +368,35 @@ async def create_sampler(res: Resources, who: Principal, body: p.CreateSamplingS
         base = served = body.base_model
     else:
         raise InvalidRequest("Give model_path or base_model.", param="model_path")
-    sampler_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-    await store.create_sampler(
+    _seq_id(body.sampling_session_seq_id, "sampling_session_seq_id")
+    await _own_session(res, who, body.session_id)
+    sampler_id = sampler_id_of(body.session_id, body.sampling_session_seq_id)
+    if not await store.create_sampler(
         res.pool, sampler_id=sampler_id, org_id=who.organization_id, session_id=body.session_id,
         base_model=base, model_path=body.model_path, served_model=served,
-    )  # fmt: skip
+    ):  # fmt: skip
+        raise _taken("sampling session", sampler_id, "sampling_session_seq_id")
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
-async def get_sampler(res: Resources, who: Principal, sampler_id: str) -> dict[str, Any]:
-    row = await store.get_sampler(res.pool, sampler_id=sampler_id, org_id=who.organization_id)
+async def _sampler(res: Resources, who: Principal, sampler_id: str, *, param: str | None) -> SamplerRow:
+    row = None
+    if valid_sampler_id(sampler_id):
+        row = await store.get_sampler(res.pool, sampler_id=sampler_id, org_id=who.organization_id)
     if row is None:
-        raise not_found("sampler", sampler_id)
+        raise not_found("sampler", sampler_id, param=param)
+    return row
+
+
+async def get_sampler(res: Resources, who: Principal, sampler_id: str) -> dict[str, Any]:
+    row = await _sampler(res, who, sampler_id, param=None)
     return {"sampler_id": sampler_id, "base_model": row.base_model, "model_path": row.model_path}
 
 
 async def sample(res: Resources, who: Principal, key: str, body: p.SampleRequest) -> dict[str, Any]:
     if body.sampling_session_id:
-        row = await store.get_sampler(
-            res.pool, sampler_id=body.sampling_session_id, org_id=who.organization_id
-        )
-        if row is None:
-            raise not_found("sampler", body.sampling_session_id, param="sampling_session_id")
-        served = row.served_model
+        sampler = await _sampler(res, who, body.sampling_session_id, param="sampling_session_id")
+        served = sampler.served_model
     elif body.model_path:
         _, served = await _sampler_checkpoint(res, who, body.model_path)
     elif body.base_model:
@@ -386,17 +467,23 @@ def _sequence(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- futures
+async def _request(res: Resources, who: Principal, request_id: str) -> FutureRow | None:
+    if not valid_request_id(request_id):
+        return None
+    return await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
+
+
 async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[bytes, str]:
     """`(body, media type)` of a finished request; a long poll, then `try_again`."""
     deadline = time.monotonic() + LONG_POLL_S
     while True:
         with res.notices.watching(store.ANSWER_CHANNEL, request_id) as answered:  # before the read
-            row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
+            row = await _request(res, who, request_id)
             left = deadline - time.monotonic()
             if row is not None and row.status not in ("done", "failed") and left > 0:
                 # woken when it is answered; read again at least every RECHECK_S (a lost holder or notice)
                 await res.notices.wait(answered, min(left, RECHECK_S))
-                row = await store.get_request(res.pool, request_id=request_id, org_id=who.organization_id)
+                row = await _request(res, who, request_id)
         if row is None:
             raise not_found("future", request_id, param="request_id")
         if row.status == "done":
@@ -417,6 +504,14 @@ async def retrieve(res: Resources, who: Principal, request_id: str) -> tuple[byt
         if time.monotonic() >= deadline:
             body = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             return orjson.dumps(body), "application/json"
+
+
+async def cancel(res: Resources, who: Principal, request_id: str) -> dict[str, Any]:
+    """`cancel_future`: accepted for a request of the caller's organisation, which runs on to its end (the
+    SDK sends it only when the dynamic config enables it, which this server does not); 404 for any other."""
+    if await _request(res, who, request_id) is None:
+        raise not_found("future", request_id, param="request_id")
+    return {}
 
 
 async def _holder_lost(res: Resources, model_id: str) -> bool:
@@ -480,7 +575,7 @@ async def training_runs(res: Resources, who: Principal, limit: int, offset: int)
 
 
 async def weights_info(res: Resources, who: Principal, path: str) -> dict[str, Any]:
-    row = await _checkpoint(res, who, path)
+    row = await _checkpoint(res, who, path, param="tinker_path")
     config = row.lora_config
     return {
         "base_model": row.base_model,

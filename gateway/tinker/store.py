@@ -1,7 +1,9 @@
 """SQL of the Tinker API: sessions, training models, requests (futures), checkpoints and samplers.
 
 Every query of the API side filters by organisation. The holder side (`gateway.tinker.holder`, in the
-worker) addresses a model by id and guards each change by `worker_id`, as the job pipeline does.
+worker) addresses a model by id and guards each change by `worker_id`, as the job pipeline does. A model or
+sampler id that is taken already is not an error here: `create_model` and `create_sampler` say so (None,
+False) and the service answers it as the caller's mistake.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ VALUES ($1, $2, $3, $4, $5, $6)"""
 BEAT_SESSION = """
 UPDATE tinker_sessions SET last_heartbeat_at = now() WHERE id = $1 AND organization_id = $2 RETURNING id"""
 
+OWN_SESSION = "SELECT true FROM tinker_sessions WHERE id = $1 AND organization_id = $2"
 FINISH_SESSION = """
 UPDATE tinker_sessions
 SET finished_at = coalesce(finished_at, now()),
@@ -41,6 +44,11 @@ async def create_session(
     conn: Conn, *, session_id: str, org_id: str, key_id: str, tags: list[str], metadata: object, sdk: str
 ) -> None:
     await conn.execute(INSERT_SESSION, session_id, org_id, key_id, tags, metadata, sdk)
+
+
+async def own_session(conn: Conn, *, session_id: str, org_id: str) -> bool:
+    """Whether `session_id` is a session of the organisation `org_id`."""
+    return bool(await conn.fetchval(OWN_SESSION, session_id, org_id))
 
 
 async def beat_session(conn: Conn, *, session_id: str, org_id: str) -> bool:
@@ -58,7 +66,9 @@ async def finish_session(
 INSERT_MODEL = """
 INSERT INTO tinker_models (id, organization_id, api_key_id, session_id, base_model, lora_rank, lora_config,
                            user_metadata, resume_path)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) RETURNING *"""
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (id) DO NOTHING
+RETURNING *"""
 GET_MODEL = "SELECT * FROM tinker_models WHERE id = $1 AND organization_id = $2"
 LIST_MODELS = """
 SELECT * FROM tinker_models WHERE organization_id = $1 ORDER BY seq DESC LIMIT $2 OFFSET $3"""
@@ -77,7 +87,9 @@ async def create_model(
     lora_config: dict[str, Any],
     metadata: object,
     resume_path: str | None = None,
-) -> TrainingModelRow:
+) -> TrainingModelRow | None:
+    """The new model's row; None when `model_id` is taken (the caller checked that its session is the
+    organisation's own, so only the organisation itself can have taken it)."""
     record = await conn.fetchrow(
         INSERT_MODEL,
         model_id,
@@ -90,7 +102,7 @@ async def create_model(
         metadata,
         resume_path,
     )
-    return row_to(TrainingModelRow, record)
+    return maybe_row_to(TrainingModelRow, record)
 
 
 async def get_model(conn: Conn, *, model_id: str, org_id: str) -> TrainingModelRow | None:
@@ -234,6 +246,7 @@ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now() + make_interval(secs => $9))
 ON CONFLICT (model_id, kind, name) DO UPDATE
 SET path = EXCLUDED.path, served_model = EXCLUDED.served_model, with_optimizer = EXCLUDED.with_optimizer,
     size_bytes = EXCLUDED.size_bytes, created_at = now(), expires_at = EXCLUDED.expires_at
+WHERE tinker_checkpoints.organization_id = EXCLUDED.organization_id
 RETURNING *"""
 GET_CHECKPOINT = """
 SELECT c.*, m.base_model, m.lora_rank, m.lora_config FROM tinker_checkpoints c
@@ -252,7 +265,8 @@ RETURNING served_model"""
 DELETE_SERVED = "DELETE FROM models WHERE id = $1 AND organization_id = $2"
 REGISTER_SERVED = """
 INSERT INTO models (id, organization_id, base_model, adapter_path) VALUES ($1, $2, $3, $4)
-ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path"""
+ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path
+WHERE models.organization_id = EXCLUDED.organization_id"""
 
 
 async def add_checkpoint(
@@ -270,7 +284,8 @@ async def add_checkpoint(
     ttl_s: float | None = None,
 ) -> CheckpointRow:
     """Record a checkpoint, expiring `ttl_s` from now (never: None); a sampler checkpoint also becomes the
-    OpenAI model `served_model`."""
+    OpenAI model `served_model`. Saving again under a checkpoint's name replaces it, but only within its
+    organisation: one of another organisation's is never replaced (ValueError, nothing recorded)."""
     async with pool.acquire() as c, c.transaction():
         if served_model is not None:
             await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path)
@@ -278,6 +293,8 @@ async def add_checkpoint(
             INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes,
             ttl_s,
         )  # fmt: skip
+        if record is None:
+            raise ValueError(f"checkpoint {model_id}/{kind}/{name} belongs to another organisation")
     return row_to(CheckpointRow, record)
 
 
@@ -295,7 +312,9 @@ async def list_checkpoints(conn: Conn, *, org_id: str, model_id: str | None) -> 
 # ---------------------------------------------------------------------------------------------- samplers
 INSERT_SAMPLER = """
 INSERT INTO tinker_samplers (id, organization_id, session_id, base_model, model_path, served_model)
-VALUES ($1, $2, $3, $4, $5, $6)"""
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (id) DO NOTHING
+RETURNING id"""
 GET_SAMPLER = "SELECT * FROM tinker_samplers WHERE id = $1 AND organization_id = $2"
 
 
@@ -308,8 +327,12 @@ async def create_sampler(
     base_model: str,
     model_path: str | None,
     served_model: str,
-) -> None:
-    await conn.execute(INSERT_SAMPLER, sampler_id, org_id, session_id, base_model, model_path, served_model)
+) -> bool:
+    """Record a sampling session; False when `sampler_id` is taken (as `create_model`)."""
+    inserted = await conn.fetchval(
+        INSERT_SAMPLER, sampler_id, org_id, session_id, base_model, model_path, served_model
+    )
+    return inserted is not None
 
 
 async def get_sampler(conn: Conn, *, sampler_id: str, org_id: str) -> SamplerRow | None:

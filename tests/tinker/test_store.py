@@ -1,5 +1,6 @@
 """What the Tinker API keeps: a request's data until it is answered, its answer for
-`tinker_request_retention_s`, a checkpoint until it expires (a worker's cron forgets what is past). On a
+`tinker_request_retention_s`, a checkpoint until it expires (a worker's cron forgets what is past); ids taken
+once, rows of one organisation never replaced by another's, and blob keys made only of checked parts. On a
 migrated database of its own."""
 
 from __future__ import annotations
@@ -7,14 +8,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from gateway.blobstore import BlobStore
+from gateway.db import list_migrations
 from gateway.models import store as models_store
 from gateway.settings import Settings
 from gateway.tenancy import store as tenancy_store
 from gateway.tinker import store
 from gateway.tinker.housekeeping import tinker_housekeeping
-from gateway.tinker.paths import SEGMENT, checkpoint_key, served_model_id
+from gateway.tinker.paths import (
+    IDLE_SEGMENT,
+    SEGMENT,
+    checkpoint_key,
+    model_id_of,
+    parse_tinker_path,
+    sampler_id_of,
+    served_model_id,
+    workdir_key,
+)
 
 
 async def test_answered_requests_drop_their_data_and_are_forgotten_later(migrated_pool: asyncpg.Pool) -> None:
@@ -77,3 +89,143 @@ async def test_expired_checkpoints_go_with_their_served_model_and_files(
     assert served == {served_model_id("tiny-chat", org, model_id, "kept")}
     assert not blobs.exists(checkpoint_key(org, model_id, SEGMENT["sampler"], "old"))
     assert blobs.exists(checkpoint_key(org, model_id, SEGMENT["sampler"], "kept"))
+
+
+async def test_an_id_in_use_is_reported_and_another_organisations_rows_are_never_replaced(
+    migrated_pool: asyncpg.Pool,
+) -> None:
+    pool = migrated_pool
+    a = (await tenancy_store.create_org(pool, name="tinker-ids-a")).id
+    b = (await tenancy_store.create_org(pool, name="tinker-ids-b")).id
+    model = {
+        "key_id": "key",
+        "base_model": "tiny-chat",
+        "rank": 4,
+        "lora_config": {"rank": 4},
+        "metadata": None,
+    }
+    await store.create_session(
+        pool, session_id="ts-a", org_id=a, key_id="key", tags=[], metadata=None, sdk=""
+    )
+    assert await store.own_session(pool, session_id="ts-a", org_id=a)
+    assert not await store.own_session(pool, session_id="ts-a", org_id=b)
+    made = await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **model)
+    assert made is not None and made.seq > 0
+    assert (
+        await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **model) is None
+    )
+    sampler = {
+        "session_id": "ts-a",
+        "base_model": "tiny-chat",
+        "model_path": None,
+        "served_model": "tiny-chat",
+    }
+    assert await store.create_sampler(pool, sampler_id="ts-a:sample:0", org_id=a, **sampler)
+    assert not await store.create_sampler(pool, sampler_id="ts-a:sample:0", org_id=a, **sampler)
+
+    # a checkpoint (and the model it is served as) is replaced by its own organisation only
+    served = served_model_id("tiny-chat", a, "ts-a:train:0", "s")
+    ckpt = {"model_id": "ts-a:train:0", "kind": "sampler", "name": "s", "with_optimizer": False}
+    await store.add_checkpoint(
+        pool, org_id=a, path="/blobs/a", served_model=served, size_bytes=1, base_model="tiny-chat", **ckpt
+    )
+    with pytest.raises(ValueError, match="another organisation"):
+        await store.add_checkpoint(
+            pool, org_id=b, path="/blobs/b", served_model=served, size_bytes=2, base_model="tiny-chat", **ckpt
+        )
+    kept = await store.get_checkpoint(pool, org_id=a, model_id="ts-a:train:0", kind="sampler", name="s")
+    assert kept is not None and kept.path == "/blobs/a"
+    assert await pool.fetchval("SELECT adapter_path FROM models WHERE id = $1", served) == "/blobs/a"
+    assert await pool.fetchval("SELECT count(*) FROM models WHERE organization_id = $1", b) == 0
+
+
+async def test_rows_made_against_the_id_policy_before_it_held_are_dropped(
+    migrated_pool: asyncpg.Pool,
+) -> None:
+    """Migration 0012, applied again over rows a client could make before ids were checked: a model in
+    another organisation's session, one under a path for a session id, and their samplers, checkpoints,
+    served models and requests go; the rightful owner's rows stay."""
+    pool = migrated_pool
+    a = (await tenancy_store.create_org(pool, name="tinker-forged-a")).id
+    b = (await tenancy_store.create_org(pool, name="tinker-forged-b")).id
+    await store.create_session(
+        pool, session_id="ts-a", org_id=a, key_id="key", tags=[], metadata=None, sdk=""
+    )
+    model = {
+        "key_id": "key",
+        "base_model": "tiny-chat",
+        "rank": 4,
+        "lora_config": {"rank": 4},
+        "metadata": None,
+    }
+    forged = {
+        "ts-a:train:1": (b, "ts-a"),  # b squatting in a's session
+        f"../{a}/ts-a:train:0": (b, f"../{a}/ts-a"),  # a path for a session id
+    }
+    for i, (model_id, (org, session)) in enumerate({"ts-a:train:0": (a, "ts-a"), **forged}.items()):
+        await store.create_model(pool, model_id=model_id, org_id=org, session_id=session, **model)
+        await store.add_request(
+            pool,
+            request_id=f"tr-{i}",
+            org_id=org,
+            model_id=model_id,
+            kind="optim_step",
+            payload={},
+        )
+        served = served_model_id("tiny-chat", org, model_id, "s")
+        await store.add_checkpoint(
+            pool, org_id=org, model_id=model_id, kind="sampler", name="s", path="/x", served_model=served,
+            with_optimizer=False, size_bytes=1, base_model="tiny-chat",
+        )  # fmt: skip
+    for sampler_id, org in (("ts-a:sample:0", a), ("ts-a:sample:1", b)):
+        await store.create_sampler(
+            pool, sampler_id=sampler_id, org_id=org, session_id="ts-a", base_model="tiny-chat",
+            model_path=None, served_model="tiny-chat",
+        )  # fmt: skip
+
+    migration = next(path for version, _, path in list_migrations() if version == 12)
+    await pool.execute(migration.read_text())
+
+    assert [r["id"] for r in await pool.fetch("SELECT id FROM tinker_models")] == ["ts-a:train:0"]
+    assert [r["model_id"] for r in await pool.fetch("SELECT model_id FROM tinker_requests")] == [
+        "ts-a:train:0"
+    ]
+    assert [r["model_id"] for r in await pool.fetch("SELECT model_id FROM tinker_checkpoints")] == [
+        "ts-a:train:0"
+    ]
+    assert [r["organization_id"] for r in await pool.fetch("SELECT organization_id FROM models")] == [a]
+    assert [r["id"] for r in await pool.fetch("SELECT id FROM tinker_samplers")] == ["ts-a:sample:0"]
+
+
+def test_keys_are_made_only_of_checked_parts() -> None:
+    assert (
+        checkpoint_key("org-a1", "ts-Ab1:train:3", "weights", "v1..2")
+        == "tinker/org-a1/ts-Ab1_train_3/weights/v1..2"
+    )
+    assert checkpoint_key("org-a1", "ts-Ab1:train:3", IDLE_SEGMENT, "resume").endswith("/idle/resume")
+    for org, model_id, segment, name in (
+        ("org-a1", "../org-b/ts-x:train:0", "weights", "a"),
+        ("org-a1", "/abs:train:0", "weights", "a"),
+        ("org-a1", "ts-x:train:-1", "weights", "a"),
+        ("org-a1", "ts-x:sample:0", "weights", "a"),
+        ("../org-b", "ts-x:train:0", "weights", "a"),
+        ("org-a1", "ts-x:train:0", "..", "a"),
+        ("org-a1", "ts-x:train:0", "weights", ".."),
+        ("org-a1", "ts-x:train:0", "weights", "a/../../b"),
+    ):
+        with pytest.raises(ValueError):
+            checkpoint_key(org, model_id, segment, name)
+    with pytest.raises(ValueError):
+        model_id_of("../org-b/ts-x", 0)
+    with pytest.raises(ValueError):
+        model_id_of("ts-x", -1)
+    assert model_id_of("ts-x", 7) == "ts-x:train:7" and sampler_id_of("ts-x", 0) == "ts-x:sample:0"
+    assert parse_tinker_path("tinker://ts-x:train:0/weights/a") == ("ts-x:train:0", "training", "a")
+    for path in (
+        "tinker://../org-b/ts-x:train:0/weights/a",
+        "tinker://..:train:0/weights/a",
+        "tinker://ts-x:train:0/weights/..",
+        "tinker:///etc:train:0/weights/a",
+    ):
+        assert parse_tinker_path(path) is None
+    assert workdir_key(12) == "work/tinker/12"
