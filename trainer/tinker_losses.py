@@ -18,6 +18,7 @@ reads the sampler's recorded stability information; `custom` runs a traced graph
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainer.spec import tinker_loss_error
@@ -34,10 +35,23 @@ def check_loss(name: str) -> None:
         raise LossInputError(error)
 
 
+def required_inputs(name: str) -> tuple[str, ...]:
+    """The `loss_fn_inputs` every datum of the loss `name` must carry (`weights` is optional)."""
+    return ("target_tokens",) if name == "cross_entropy" else ("target_tokens", "logprobs", "advantages")
+
+
 def _need(inputs: dict[str, Any], name: str, loss: str) -> Any:
     if name not in inputs:
         raise LossInputError(f"The loss '{loss}' needs the loss_fn_input '{name}'.")
     return inputs[name]
+
+
+def _number(config: dict[str, Any], key: str, default: float) -> float:
+    """A `loss_fn_config` value the loss reads as a number (`loss_fn_config_v2` may carry text)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise LossInputError(f"loss_fn_config '{key}' must be a finite number, not {value!r}.")
+    return float(value)
 
 
 def per_token_loss(name: str, logprobs: Any, inputs: dict[str, Any], config: dict[str, Any]) -> Any:
@@ -50,8 +64,8 @@ def per_token_loss(name: str, logprobs: Any, inputs: dict[str, Any], config: dic
         return -(logprobs if weights is None else weights * logprobs)
     old = _need(inputs, "logprobs", name)
     adv = _need(inputs, "advantages", name)
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
+    low = _number(config, "clip_low_threshold", 0.8)
+    high = _number(config, "clip_high_threshold", 1.2)
     if name == "importance_sampling":
         return -torch.exp(logprobs - old) * adv
     if name == "ppo":
@@ -61,7 +75,7 @@ def per_token_loss(name: str, logprobs: Any, inputs: dict[str, Any], config: dic
         ratio = torch.exp(logprobs - old)
         return -torch.clamp(ratio, low, high).detach() * logprobs * adv
     if name == "dro":
-        beta = float(config.get("beta", 0.05))
+        beta = _number(config, "beta", 0.05)
         return -(logprobs * adv - beta / 2 * (logprobs - old) ** 2)
     # gspo: one ratio for the whole sequence, spread over its tokens
     ratio = torch.exp((logprobs - old).mean()).expand_as(logprobs)

@@ -10,7 +10,9 @@ Requests (`op`):
   adapter (PEFT, alpha 32, no dropout) on the attention and/or MLP projections.
 - `forward_backward`: `loss_fn`, `loss_fn_config`, `forward_only`, `data` (each `{"tokens": [...],
   "inputs": {name: [...]}}`): per-token log-probabilities of `target_tokens`, the loss
-  (`trainer.tinker_losses`), and, unless `forward_only`, its gradient added to the adapter's.
+  (`trainer.tinker_losses`), and, unless `forward_only`, its gradient added to the adapter's. The gateway
+  checks the data first (`gateway.tinker.wire`); what still does not fit here (a token id the model has no
+  row for, a value that is not a finite number) is the caller's error, never a crash of the model's device.
 - `optim_step`: Adam's `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`: one
   AdamW step with these values, then the gradients are cleared.
 - `save_state` / `load_state`: `dir`, `optimizer`: the adapter (and the optimizer's state) to or from `dir`
@@ -53,6 +55,10 @@ class Session:
         dtype = torch.bfloat16 if self.device == "cuda" else torch.float32
         base = AutoModelForCausalLM.from_pretrained(req["base_path"], dtype=dtype)
         base = base.to(self.device)  # type: ignore[arg-type]  # transformers' stub of .to
+        # token ids each end of the model has rows for (the forward checks a request's ids against them)
+        self.input_rows = int(base.get_input_embeddings().num_embeddings)
+        head = base.get_output_embeddings()
+        self.output_rows = int(head.out_features) if head is not None else self.input_rows
         present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
         wanted = (ATTN_MODULES if req.get("train_attn", True) else ()) + (
             MLP_MODULES if req.get("train_mlp", True) else ()
@@ -85,17 +91,19 @@ class Session:
         total = 0.0
         tokens = 0
         for i, datum in enumerate(req["data"]):
-            ids = datum["tokens"]
+            ids = self._token_ids(datum["tokens"], f"data[{i}].model_input", self.input_rows)
             inputs = datum["inputs"]
             if "target_tokens" not in inputs:
                 raise LossInputError(f"data[{i}] has no loss_fn_input 'target_tokens'.")
-            targets = [int(t) for t in inputs["target_tokens"]]
-            if len(targets) != len(ids):
+            target = self._token_ids(
+                inputs["target_tokens"], f"data[{i}].loss_fn_inputs.target_tokens", self.output_rows
+            )
+            if len(target) != len(ids):
                 raise LossInputError(
-                    f"data[{i}]: target_tokens has {len(targets)} entries for {len(ids)} input tokens."
+                    f"data[{i}]: target_tokens has {len(target)} entries for {len(ids)} input tokens."
                 )
             floats = {
-                k: torch.tensor(v, dtype=torch.float32, device=self.device)
+                k: self._floats(v, f"data[{i}].loss_fn_inputs.{k}")
                 for k, v in inputs.items()
                 if k != "target_tokens"
             }
@@ -103,9 +111,8 @@ class Session:
                 if v.numel() != len(ids):
                     raise LossInputError(f"data[{i}]: {k} has {v.numel()} entries for {len(ids)} tokens.")
             with torch.set_grad_enabled(not req.get("forward_only")):
-                x = torch.tensor([ids], device=self.device)
+                x = ids[None, :]
                 logits = self.model(input_ids=x).logits[0].float()
-                target = torch.tensor(targets, device=self.device)
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None])[:, 0]
                 loss = per_token_loss(loss_fn, logprobs, floats, config)
                 if not req.get("forward_only"):
@@ -119,6 +126,32 @@ class Session:
                 }
             )
         return {"outputs": outputs, "metrics": {"loss:sum": total}, "tokens": tokens}
+
+    def _token_ids(self, values: Any, field: str, rows: int) -> Any:
+        """`values` as a 1-D tensor of token ids below `rows`. Checked here too, not only by the gateway
+        (which may not know the vocabulary): an id out of range is an IndexError on the CPU and a
+        device-side assert, which loses the process's CUDA context, on a GPU."""
+        torch = self.torch
+        try:
+            ids = torch.tensor(values, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise LossInputError(f"{field} must be a list of token ids.") from None
+        if ids.dim() != 1 or not len(ids):
+            raise LossInputError(f"{field} must be a non-empty list of token ids.")
+        if int(ids.min()) < 0 or int(ids.max()) >= rows:
+            raise LossInputError(f"{field} holds a token id out of the model's vocabulary (0 to {rows - 1}).")
+        return ids.to(self.device)
+
+    def _floats(self, values: Any, field: str) -> Any:
+        """`values` as a float tensor of finite numbers (a NaN sent as JSON arrives as null)."""
+        torch = self.torch
+        try:
+            out = torch.tensor(values, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            raise LossInputError(f"{field} must be a list of numbers.") from None
+        if not bool(torch.isfinite(out).all()):
+            raise LossInputError(f"{field} holds NaN or infinity; give finite numbers.")
+        return out.to(self.device)
 
     def optim_step(self, req: dict[str, Any]) -> dict[str, Any]:
         opt = self._optimizer()
