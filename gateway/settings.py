@@ -240,6 +240,11 @@ class Settings(BaseSettings):
     tinker_yield_idle_s: float = Field(default=60.0, gt=0)
     """A Tinker training model with no request for this long lets its slot go as soon as other work waits
     for one, as at `tinker_max_hold_s` (with nothing waiting, `tinker_idle_timeout_s` applies)."""
+    tinker_max_numbers: int | None = Field(default=None, ge=1)
+    """Most numbers one `forward_backward` request may decode to: its input tokens and every entry of its
+    `loss_fn_inputs`, a sparse tensor counted at its dense size, checked on the declared sizes before
+    anything is expanded; more is a 400. Unset: half of `max_request_body_bytes` (twice what a body of that
+    size carries as dense 4-byte values)."""
     worker_alive_after_s: float = Field(default=10.0, gt=0)
     """A worker that has not stamped its presence in Redis for this long counts as gone (`/readyz`,
     `tunegate_workers_alive`); workers stamp every `heartbeat_interval_s`."""

@@ -267,19 +267,26 @@ async def submit(
 
 
 async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[str, Any]:
+    """Decode and check the whole request (`gateway.tinker.wire`: sizes and shapes before anything is
+    expanded, then the loss's inputs and the base model's vocabulary), so that the training process gets
+    nothing it would fail on; each refusal is a 400 naming the field."""
+    settings = res.settings
+    limit = settings.tinker_max_numbers or settings.max_request_body_bytes // 2
     try:
-        req = wire.decode_forward_backward(body)
+        req = wire.decode_forward_backward(body, max_numbers=limit)
     except wire.WireError as exc:
-        raise InvalidRequest(str(exc)) from None
-    loss_error = tinker_loss_error(req["loss_fn"])
+        raise InvalidRequest(exc.message, param=exc.param) from None
+    loss_error = tinker_loss_error(req.loss_fn)
     if loss_error is not None:
         raise InvalidRequest(loss_error, param="loss_fn", code="unknown_loss_fn")
-    if not req["data"]:
-        raise InvalidRequest("forward_backward needs at least one datum.", param="data")
-    kind = "forward" if req["forward_only"] else "forward_backward"
-    payload = {k: req[k] for k in ("loss_fn", "loss_fn_config", "forward_only", "data")}
-    tokens = sum(len(d["tokens"]) for d in req["data"])
-    return await submit(res, who, req["model_id"], kind, payload, tokens=tokens)
+    base = (await _model(res, who, req.model_id)).base_model
+    known = base in settings.base_models  # else the training process checks against its embedding
+    try:
+        req.check_inputs(wire.vocabulary_size(settings.base_model_path(base)) if known else None)
+    except wire.WireError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+    kind = "forward" if req.forward_only else "forward_backward"
+    return await submit(res, who, req.model_id, kind, req.payload(), tokens=req.tokens)
 
 
 async def optim_step(res: Resources, who: Principal, body: p.OptimStepRequest) -> dict[str, Any]:
