@@ -7,6 +7,7 @@ A fine-tuning job run (`gateway.worker.runner` and its stages in `gateway.worker
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import asyncpg
@@ -39,3 +40,22 @@ class JobContext(Generic[RowT]):
     def org_id(self) -> str:
         """The organisation every row written for it carries."""
         return self.row.organization_id
+
+    @property
+    def workdir(self) -> Path:
+        """The directory its trainer works in (and writes its checkpoints and adapter under)."""
+        return self.settings.data_dir / "work" / self.id
+
+    def trainer_path(self, reported: str) -> Path:
+        """A directory the trainer reported (a checkpoint, the adapter), resolved, once it is inside the
+        job's working directory: the worker copies it into the organisation's blobs, so a path elsewhere
+        (another job's adapter, a host directory) is refused with `OutsideWorkdir`."""
+        root = self.workdir.resolve()
+        path = Path(reported).resolve()
+        if not path.is_relative_to(root):
+            raise OutsideWorkdir(f"the trainer reported {reported!r}, outside the job's working directory")
+        return path
+
+
+class OutsideWorkdir(ValueError):
+    """A trainer reported a path outside its job's working directory."""

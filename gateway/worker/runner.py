@@ -24,7 +24,6 @@ import hashlib
 import io
 import logging
 import shutil
-from pathlib import Path
 from typing import Any
 
 from arq.connections import ArqRedis
@@ -37,7 +36,7 @@ from gateway.models import store as models_store
 from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
 from gateway.worker import store
-from gateway.worker.context import JobContext
+from gateway.worker.context import JobContext, OutsideWorkdir
 from gateway.worker.devices import Device, cpu_devices, generation_devices, strategy
 from gateway.worker.job.generation import generation_server
 from gateway.worker.job.ingest import Ingest, Progress
@@ -63,7 +62,7 @@ class JobRun:
     ) -> None:
         self.ctx = ctx
         self.queue = queue
-        self.workdir = ctx.settings.data_dir / "work" / ctx.id
+        self.workdir = ctx.workdir
         devices = devices or cpu_devices(1)
         extra = generation_devices(ctx.settings, ctx.row.method["type"])
         self.devices = devices[: len(devices) - extra] if extra else devices
@@ -144,6 +143,11 @@ class JobRun:
 
     async def _finish(self, outcome: RunOutcome) -> str:
         if isinstance(outcome.event, ResultEvent):
+            try:
+                self.ctx.trainer_path(outcome.event.adapter_path)
+            except OutsideWorkdir as exc:
+                await self.fail("worker_error", f"The adapter was not stored: {exc}.")
+                return "failed"
             row = await self.succeed(outcome.event)
             if row is not None:
                 self.cleanup()
@@ -185,7 +189,9 @@ class JobRun:
         transaction, guarded by this worker still holding a running job."""
         model = fine_tuned_model_name(self.ctx.row)
         adapter = await asyncio.to_thread(
-            self.ctx.blobs.put_tree, Path(event.adapter_path), f"adapters/{self.ctx.org_id}/{self.ctx.id}"
+            self.ctx.blobs.put_tree,
+            self.ctx.trainer_path(event.adapter_path),
+            f"adapters/{self.ctx.org_id}/{self.ctx.id}",
         )
         # Serve the new model before the job reports success: every engine of the base model loads it now.
         async with AdapterLoader(self.ctx.settings) as loader:

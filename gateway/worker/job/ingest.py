@@ -72,7 +72,7 @@ class Ingest:
         if isinstance(event, MetricsEvent):
             await self._metrics(event)
         elif isinstance(event, CheckpointEvent):
-            await self._checkpoint(event.step, Path(event.path), event.metrics)
+            await self._checkpoint(event.step, self.ctx.trainer_path(event.path), event.metrics)
         else:
             await jobs_store.add_event(
                 self.ctx.pool,
