@@ -5,9 +5,11 @@ calls follow the Qwen/Hermes convention the templates use:
 ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` in the output becomes ``tool_calls``. When
 ``tool_choice`` forces a call (``"required"`` or a named function) the generation is prefixed with
 ``<tool_call>\\n{"name": "<fn>", "arguments": `` so that even a weak model produces a well-formed call:
-only the arguments are generated, and they become ``{}`` if they do not parse as a JSON object.
-``response_format`` ``json_object`` is served the same way, best effort: the output is started with ``{``
-and ends as soon as the object is complete.
+only the arguments are generated, and they become ``{}`` if they do not parse as a JSON object. A call
+forced by a named function ends with ``finish_reason: "stop"``, as OpenAI's API and vLLM answer (the client
+named the function, so the call is the answer it asked for); ``"required"`` and calls the model chose end
+with ``"tool_calls"``. ``response_format`` ``json_object`` is served the same way, best effort: the output
+is started with ``{`` and ends as soon as the object is complete.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ class ChatPlan:
     prefix: str = ""
     """Text the generation was forced to start with (part of the prompt)."""
     forced_tool: str | None = None
+    named_tool: bool = False
+    """``forced_tool`` was named by ``tool_choice`` (not chosen by ``"required"``): the call ends with
+    ``stop``."""
     parse_tools: bool = False
     json_mode: bool = False
 
@@ -142,6 +147,7 @@ def plan_chat(engine: ModelEngine, req: ChatCompletionRequest) -> ChatPlan:
     plan = ChatPlan(prompt=str(prompt), parse_tools=tools is not None)
     if forced is not None:
         plan.forced_tool = forced
+        plan.named_tool = isinstance(req.tool_choice, dict)
         plan.prefix = '<tool_call>\n{"name": "' + forced + '", "arguments": '
     elif req.wants_json() and tools is None:
         plan.json_mode = True
@@ -209,7 +215,8 @@ def finish_choice(plan: ChatPlan, choice: _Choice) -> tuple[dict[str, Any], str]
             "type": "function",
             "function": {"name": plan.forced_tool, "arguments": json.dumps(forced_args)},
         }
-        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, "tool_calls"
+        reason = "stop" if plan.named_tool else "tool_calls"
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}, reason
     if plan.parse_tools and "<tool_call>" in choice.text:
         calls = []
         bodies, outside = split_tool_calls(choice.text)

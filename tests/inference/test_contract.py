@@ -43,10 +43,6 @@ TOOLS = [
 TOOL_CALL_ID_PREFIX = {"embedded": "call_", "vllm": "chatcmpl-tool-"}
 """How tool call ids start: OpenAI's and the embedded engine's with ``call_``, vLLM's (0.32) with
 ``chatcmpl-tool-`` and 16 hex digits (``make_tool_call_id``). Clients echo ids back; none reads them."""
-NAMED_TOOL_FINISH_REASON = {"embedded": "tool_calls", "vllm": "stop"}
-"""``finish_reason`` of a call forced by a named ``tool_choice``: vLLM answers ``stop``, as OpenAI's API does
-(vllm-project/vllm#25054 aligned it, streamed and not), and ``tool_calls`` for ``required`` and ``auto``.
-The embedded engine answers ``tool_calls``."""
 
 
 @dataclass
@@ -205,25 +201,31 @@ def test_tool_call_round_trip(target: Target) -> None:
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_named_tool_choice_streams_a_call(target: Target) -> None:
+def test_named_tool_choice_is_a_call_that_stops(target: Target) -> None:
+    """A call forced by a named ``tool_choice`` ends with ``finish_reason: "stop"``, streamed and not, as
+    OpenAI's API answers (vllm-project/vllm#25054 aligned vLLM); ``required`` ends with ``tool_calls``."""
     # Greedy, with room for the whole call: vLLM decodes the arguments under the tool's JSON schema, and
     # tiny-chat spells its greedy `{"city": "Berlin"}` in 22 tokens (16 end it with `length`).
-    stream = target.client.chat.completions.create(
+    kwargs: dict[str, Any] = dict(
         model=target.model,
         messages=MESSAGES,
         tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=48,
         temperature=0,
-        stream=True,
     )
-    chunks = [c for c in stream if c.choices]
+    whole = target.client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop"
+    assert whole.message.tool_calls and len(whole.message.tool_calls) == 1
+    assert whole.message.tool_calls[0].function.name == "get_weather"
+
+    chunks = [c for c in target.client.chat.completions.create(**kwargs, stream=True) if c.choices]
     deltas = [d.choices[0].delta for d in chunks]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert calls and calls[0].function is not None and calls[0].function.name == "get_weather"
     arguments = "".join(tc.function.arguments or "" for tc in calls if tc.function is not None)
     assert isinstance(json.loads(arguments), dict)
-    assert chunks[-1].choices[0].finish_reason == NAMED_TOOL_FINISH_REASON[target.engine]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_completions(target: Target) -> None:
