@@ -13,7 +13,8 @@ has the key layout):
   write (their Redis user reaches nothing else); nothing in the request names it. Each organisation's
   package (and config) gets up to ``capacity`` sandboxes, started on demand and kept warm, never shared with
   another organisation, even for the same package: a package keeps what it saw in its process's memory. A
-  multi-turn episode stays in the sandbox that ``reset`` it until it is done or closed.
+  multi-turn episode stays in the sandbox that ``reset`` it until it is done or closed
+  (:mod:`envsdk.warm` keeps them).
 * A request past its deadline is dropped (its client has sent it elsewhere). A result is written once under
   the request's idempotency key (``SET NX``, in the organisation's namespace) and only then answered, so a
   request served twice counts once.
@@ -29,18 +30,14 @@ organisation whose trainers counted the deaths.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
-import shutil
 import signal
 import socket
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -64,7 +61,6 @@ from envsdk.remote_wire import (
     get_bytes,
     live_orgs,
     now,
-    package_key,
     read_streams,
     record_reset,
     record_turn,
@@ -76,6 +72,7 @@ from envsdk.remote_wire import (
     served_key,
 )
 from envsdk.sandbox import Sandbox
+from envsdk.warm import WarmSandboxes
 
 logger = logging.getLogger(__name__)
 
@@ -95,28 +92,6 @@ REQUESTS = Counter(
 )
 DRAIN_TIMEOUT_S = 120.0
 """Longest a draining server waits for its episodes before it stops anyway."""
-IDLE_PACKAGE_S = 600.0
-"""A package unused this long, with no episode open, has its sandboxes stopped (started again on demand)."""
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-@dataclass
-class _Slot:
-    sandbox: Sandbox
-    busy: bool = False
-
-
-@dataclass
-class _Warm:
-    """The sandboxes of one organisation's package and config: up to ``capacity``, each running one call at a
-    time."""
-
-    package_dir: Path
-    config: dict[str, Any]
-    slots: list[_Slot] = field(default_factory=list)
-    episodes: dict[str, int] = field(default_factory=dict)
-    """Open episode -> index of the slot whose sandbox holds it."""
-    last_used: float = field(default_factory=time.monotonic)
 
 
 class EnvServer:
@@ -147,8 +122,14 @@ class EnvServer:
         self._last: dict[str, str] = {}
         """Organisation -> the last entry read from its request stream (kept while the server lives: an
         organisation served again goes on from there, so no entry in flight is read twice)."""
-        self._warm: dict[tuple[str, str, str], _Warm] = {}
-        self._package_locks: dict[tuple[str, str], threading.Lock] = {}
+        self._sandboxes = WarmSandboxes(
+            self.redis,
+            pool=self.pool,
+            capacity=self.capacity,
+            data_dir=self.data_dir,
+            maxima=self.maxima,
+            allow_unsandboxed=self.allow_unsandboxed,
+        )
         self._stopping = threading.Event()
         self._draining = threading.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="env")
@@ -156,7 +137,6 @@ class EnvServer:
     # -- registration ------------------------------------------------------------------------------
     def registration(self) -> Registration:
         with self._lock:
-            packages = sorted({sha for _, sha, _ in self._warm})
             inflight = self._inflight
         return Registration(
             id=self.id,
@@ -164,7 +144,7 @@ class EnvServer:
             inflight=inflight,
             host=socket.gethostname(),
             pid=os.getpid(),
-            packages=packages,
+            packages=self._sandboxes.packages(),
             draining=self._draining.is_set(),
             started_at=self._started,
         )
@@ -173,7 +153,8 @@ class EnvServer:
         """Register in the pool and in the namespace of each organisation served, which sees its own
         packages only (a package's hash is all another organisation would need to run it)."""
         with self._lock:
-            orgs = {org: sorted({sha for o, sha, _ in self._warm if o == org}) for org in self._orgs}
+            served = list(self._orgs)
+        orgs = {org: self._sandboxes.packages(org) for org in served}
         register(self.redis, self.pool, self.registration(), orgs)
 
     def _refresh_orgs(self) -> None:
@@ -200,20 +181,8 @@ class EnvServer:
                 QUEUE.set(sum(a for a in answers[1::2] if isinstance(a, int)))
             except redis.RedisError as exc:
                 logger.warning("env server %s: heartbeat failed: %s", self.id, exc)
-            self._stop_idle()
+            self._sandboxes.stop_idle()
             self._stopping.wait(REGISTRATION_TTL_S / 3)
-
-    def _stop_idle(self) -> None:
-        """Stop the sandboxes of packages unused for ``IDLE_PACKAGE_S`` (none of their episodes open)."""
-        idle: list[_Slot] = []
-        with self._lock:
-            for key, warm in list(self._warm.items()):
-                quiet = time.monotonic() - warm.last_used > IDLE_PACKAGE_S
-                if quiet and not warm.episodes and not any(s.busy for s in warm.slots):
-                    idle += warm.slots
-                    del self._warm[key]
-        for slot in idle:
-            slot.sandbox.close()
 
     # -- main loop ---------------------------------------------------------------------------------
     def serve(self) -> None:
@@ -273,12 +242,13 @@ class EnvServer:
                 deregister(self.redis, self.pool, self.id, orgs)
             except redis.RedisError as exc:
                 logger.warning("env server %s: could not deregister: %s", self.id, exc)
-            self._close_sandboxes()
+            self._sandboxes.close()
             logger.info("env server %s stopped", self.id)
 
     def _drained(self, idle_since: float | None) -> bool:
         with self._lock:
-            busy = self._inflight or any(w.episodes for w in self._warm.values())
+            inflight = self._inflight
+        busy = inflight or self._sandboxes.open_episodes()
         return not busy and idle_since is not None and time.monotonic() - idle_since >= 1.0
 
     def drain(self) -> None:
@@ -310,10 +280,10 @@ class EnvServer:
             REQUESTS.labels(method, "error").inc()
         finally:
             LATENCY.labels(method).observe(time.monotonic() - started)
+            EPISODES.set(self._sandboxes.open_episodes())
             with self._lock:
                 self._inflight -= 1
                 INFLIGHT.set(self._inflight)
-                EPISODES.set(sum(len(w.episodes) for w in self._warm.values()))
                 self._lock.notify_all()
             try:
                 self.redis.xdel(requests_key(self.pool, org, self.id), entry_id)
@@ -376,10 +346,10 @@ class EnvServer:
         pipe.execute()
 
     def _call(self, org: str, request: dict[str, Any], method: str) -> Any:
-        warm = self._warm_for(org, str(request["package"]), dict(request.get("config") or {}))
+        warm = self._sandboxes.warm_for(org, str(request["package"]), dict(request.get("config") or {}))
         params = dict(request.get("params") or {})
         episode = str(params["episode_id"]) if params.get("episode_id") is not None else None
-        index, slot = self._acquire(warm, episode if method not in ("reset", "resume") else None)
+        index, slot = self._sandboxes.acquire(warm, episode if method not in ("reset", "resume") else None)
         try:
             if not slot.sandbox.running:
                 try:
@@ -394,18 +364,15 @@ class EnvServer:
                 else:
                     result = slot.sandbox.call(method, params)
             except SandboxError:
-                self._forget_slot_episodes(warm, index)
+                self._sandboxes.forget_slot_episodes(warm, index)
                 raise
-            with self._lock:
-                if method in ("reset", "resume"):
-                    warm.episodes[str(result["episode_id"])] = index
-                elif episode is not None and (method == "close_episode" or (result or {}).get("done")):
-                    warm.episodes.pop(episode, None)
+            if method in ("reset", "resume"):
+                self._sandboxes.hold(warm, str(result["episode_id"]), index)
+            elif episode is not None and (method == "close_episode" or (result or {}).get("done")):
+                self._sandboxes.end(warm, episode)
             return result
         finally:
-            with self._lock:
-                slot.busy = False
-                self._lock.notify_all()
+            self._sandboxes.release(slot)
 
     def _resume(self, org: str, sandbox: Sandbox, job: str, episode: str) -> dict[str, Any]:
         """Rebuild an episode whose server died from its state in Redis (``org``'s): ``reset`` with its task,
@@ -419,102 +386,6 @@ class EnvServer:
         for message in turns:
             sandbox.call("step", {"episode_id": episode, "assistant_message": message})
         return {"episode_id": episode, "turns": len(turns)}
-
-    def _acquire(self, warm: _Warm, episode: str | None) -> tuple[int, _Slot]:
-        """The slot for a call: the episode's own, else an idle one (a new one while under capacity)."""
-        with self._lock:
-            while True:
-                if episode is not None and episode in warm.episodes:
-                    index = warm.episodes[episode]
-                    if not warm.slots[index].busy:
-                        break
-                else:
-                    idle = [i for i, s in enumerate(warm.slots) if not s.busy]
-                    if idle:
-                        index = min(idle, key=lambda i: sum(1 for v in warm.episodes.values() if v == i))
-                        break
-                    if len(warm.slots) < self.capacity:
-                        warm.slots.append(_Slot(self._sandbox(warm)))
-                        index = len(warm.slots) - 1
-                        break
-                self._lock.wait(0.5)
-            slot = warm.slots[index]
-            slot.busy = True
-            warm.last_used = time.monotonic()
-            return index, slot
-
-    def _forget_slot_episodes(self, warm: _Warm, index: int) -> None:
-        """A sandbox that failed a call was killed: the episodes it held are gone."""
-        if warm.slots[index].sandbox.running:
-            return
-        with self._lock:
-            for episode in [e for e, i in warm.episodes.items() if i == index]:
-                del warm.episodes[episode]
-
-    def _sandbox(self, warm: _Warm) -> Sandbox:
-        return Sandbox(
-            warm.package_dir,
-            config=warm.config,
-            maxima=self.maxima,
-            allow_unsandboxed=self.allow_unsandboxed,
-        )
-
-    # -- packages ----------------------------------------------------------------------------------
-    def _warm_for(self, org: str, sha256: str, config: dict[str, Any]) -> _Warm:
-        """The sandboxes of ``org``'s package and config: an organisation's calls never run in a sandbox
-        that served another's."""
-        key = (org, sha256, encode(sorted(config.items())))
-        with self._lock:
-            warm = self._warm.get(key)
-            if warm is not None:
-                warm.last_used = time.monotonic()  # not stopped as idle under the call about to use it
-                return warm
-        package_dir = self._package(org, sha256)
-        with self._lock:
-            return self._warm.setdefault(key, _Warm(package_dir, config))
-
-    def _package(self, org: str, sha256: str) -> Path:
-        """``org``'s unpacked package of this content hash, fetched from its namespace and checked the first
-        time. Unpacked once per organisation: an organisation that names another's hash (its servers' list
-        shows none) finds nothing it did not store itself."""
-        from envsdk.archive import safe_extract
-
-        if not _SHA256.fullmatch(sha256):  # it names a folder here: a hash, never a path
-            raise SandboxError("package_invalid", "a request named a package by something not a sha256")
-        packages = self.data_dir / "packages" / org
-        target = packages / sha256
-        with self._lock:
-            lock = self._package_locks.setdefault((org, sha256), threading.Lock())
-        with lock:
-            if target.is_dir():
-                return target
-            data = get_bytes(self.redis, package_key(self.pool, org, sha256))
-            if data is None:
-                raise SandboxError("package_missing", f"package {sha256} is not in the pool's store")
-            if hashlib.sha256(data).hexdigest() != sha256:
-                raise SandboxError("package_corrupt", f"package {sha256} does not match its hash")
-            staging = packages / f".{sha256}.{uuid.uuid4().hex[:6]}"
-            staging.mkdir(parents=True)
-            archive = staging / "package.tar.gz"
-            archive.write_bytes(data)
-            unpacked = staging / "package"
-            safe_extract(archive, unpacked)
-            for path in (self.data_dir, self.data_dir / "packages", packages, staging):
-                path.chmod(0o755)  # the sandbox's own uid reads the package
-            try:
-                unpacked.rename(target)
-            except OSError:  # another server sharing this data dir unpacked it first
-                if not target.is_dir():
-                    raise
-            shutil.rmtree(staging, ignore_errors=True)
-            return target
-
-    def _close_sandboxes(self) -> None:
-        with self._lock:
-            slots = [s for w in self._warm.values() for s in w.slots]
-            self._warm.clear()
-        for slot in slots:
-            slot.sandbox.close()
 
 
 def _items(request: dict[str, Any]) -> int:
