@@ -350,11 +350,6 @@ def iter_rows_of_file(
             yield Row(value)
 
 
-def rows_of_file(path: Path, *, max_line_bytes: int, max_depth: int = wire.DEFAULT_MAX_DEPTH) -> list[Row]:
-    """Every row of a JSONL file at once (`iter_rows_of_file`), for the worker that runs the eval."""
-    return list(iter_rows_of_file(path, max_line_bytes=max_line_bytes, max_depth=max_depth))
-
-
 def required_properties(item_schema: dict[str, Any]) -> list[str]:
     """The properties an object item must have: the schema's `required` names. Eval creates check that
     `required` is a list of names; an eval stored before that check with anything else there requires

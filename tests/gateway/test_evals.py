@@ -1,7 +1,7 @@
 """OpenAI's Evals API through the official SDK: evals, runs executed by a real worker that samples the tiny
 model through the gateway (with a key minted for the run), output items, grading that agrees with a direct
 `envsdk.graders.grade`, tenancy, usage, rate limits, cancel, the 400s of bad requests, and run creates
-that read their items file a line at a time.
+and workers that read their items file a line at a time.
 
 The module has a database, a gateway (serving `tiny-chat` from the module's engine) and a worker of its
 own, so no other module's worker claims its runs.
@@ -14,6 +14,7 @@ import secrets
 import signal
 import time
 import tracemalloc
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,13 @@ import openai
 import pytest
 
 from envsdk.graders import grade, make_sample
+from gateway.blobstore import BlobStore
 from gateway.db import create_pool
 from gateway.evals import store as evals_store
 from gateway.evals.datasource import pass_threshold
+from gateway.evals.rows import RunRow
+from gateway.worker.context import JobContext
+from gateway.worker.evals import ITEMS_READ_AHEAD, PendingItems
 from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture, worker_fixture
@@ -683,3 +688,95 @@ def test_a_run_create_reads_its_items_file_a_line_at_a_time(gw: GatewayServer, o
         run_id = made.json()["id"]
         assert api.delete(f"/v1/evals/{ev.id}/runs/{run_id}").status_code == 200  # no need to run it
     assert peak < 4 * 2**20, peak  # the reader's 1 MiB chunk and a line, not the file
+
+
+def _reader(gw: GatewayServer, pool: Any, org: Tenant, file_id: str) -> JobContext[RunRow]:
+    """What a worker holding a jsonl run of `file_id` reads its items with: the gateway's database and blob
+    store (the row is never queued, so no worker takes it)."""
+    run = RunRow(
+        id="evalrun_reader",
+        eval_id="eval_reader",
+        organization_id=org.org_id,
+        name="reader",
+        model="",
+        metadata=None,
+        data_source={"type": "jsonl", "source": {"type": "file_id", "id": file_id}},
+        testing_criteria=[CONTAINS],
+        status="in_progress",
+        error=None,
+        result_counts={},
+        per_testing_criteria_results=[],
+        per_model_usage=[],
+        created_at=datetime.now(UTC),
+        queue_generation=0,
+        attempts=1,
+    )
+    return JobContext(run, "worker-reader", pool, BlobStore(gw.settings.blob_dir), gw.settings)
+
+
+async def test_a_worker_reads_a_runs_items_file_a_few_items_at_a_time(gw: GatewayServer, org: Tenant) -> None:
+    """The worker takes the items of a 16 MiB file as its lanes ask for them, each once and in the file's
+    order: it holds a few items at a time (2.2 MB traced at the peak, the reader's 1 MiB chunk included),
+    where the file read whole before its first item was 30 MB of Python objects."""
+    lines = [
+        json.dumps({"item": {**QUESTIONS[0], "n": i, "note": "x" * 900}, "sample": {"output_text": "2"}})
+        for i in range(16_384)
+    ]
+    assert all(1000 < len(line) < 1024 for line in lines)
+    data = "\n".join(lines).encode()
+    del lines
+    file_id = org.client.files.create(file=("many.jsonl", data), purpose="evals").id
+    del data
+    database_url = gw.settings.database_url
+    assert database_url is not None
+    pool = await create_pool(database_url, min_size=1, max_size=1)
+    try:
+        ctx = _reader(gw, pool, org, file_id)
+        taken = 0
+        tracemalloc.start()
+        try:
+            items = await PendingItems.open(ctx)
+            while (pending := await items.take()) is not None:
+                index, row = pending
+                assert (index, row.item["n"], row.sample) == (taken, taken, {"output_text": "2"})
+                taken += 1
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        await pool.close()
+    assert taken == 16_384 and items.error is None
+    assert peak < 4 * 2**20, peak  # a step of items and the reader's chunk, not the file
+
+
+async def test_a_worker_takes_the_items_before_a_line_that_breaks_then_reports_it(
+    gw: GatewayServer, org: Tenant
+) -> None:
+    """An items file read by the worker stops at a line that breaks the rules (the run's create would have
+    refused it; an `evals` upload is not checked): the items before it, but those the run has already
+    recorded, are taken, then none, and `error` names the line. Line 20 falls inside the third step."""
+    assert 2 * ITEMS_READ_AHEAD < 20 <= 3 * ITEMS_READ_AHEAD
+    lines = [
+        json.dumps({"item": {**QUESTIONS[0], "n": i}, "sample": {"output_text": "2"}}) for i in range(19)
+    ]
+    file_id = org.client.files.create(
+        file=("broken.jsonl", "\n".join([*lines, "nope", lines[0]]).encode()), purpose="evals"
+    ).id
+    database_url = gw.settings.database_url
+    assert database_url is not None
+    pool = await create_pool(database_url, min_size=1, max_size=1)
+    try:
+        items = await PendingItems.open(_reader(gw, pool, org, file_id), done={1, 17})
+        taken = []
+        while (pending := await items.take()) is not None:
+            index, row = pending
+            assert row.item["n"] == index
+            taken.append(index)
+        assert await items.take() is None
+    finally:
+        await pool.close()
+    assert taken == [i for i in range(19) if i not in (1, 17)]
+    assert items.error == {
+        "code": "invalid_file",
+        "message": "Line 20 of the file is not valid JSON (Expecting value: line 1 column 1 (char 0)).",
+    }
