@@ -89,7 +89,8 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 async def limit_requests(res: ResourcesDep, who: PrincipalDep) -> None:
     """One request off the calling key's per-minute request limit, the bucket its completions take from too:
-    429 `rate_limit_exceeded` over it. A router dependency of the files, evals and graders routes."""
+    429 `rate_limit_exceeded` over it. A router dependency of the files, evals, graders,
+    jobs and models routes (the usage routes, which the admin key may call too, take it themselves)."""
     await res.guard.admit_request(who.organization_id, who.api_key_id)
 
 

@@ -6,12 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 
-from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.jobs import service
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.protocol import CursorPage
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[RequestLimitDep])
 
 
 @router.post("")

@@ -7,9 +7,9 @@ organisation's buckets in one Lua call (a key without limits of its own gets `de
 (see `leases`), then holds the estimated cost against the organisation's budget, from this gateway's budget
 lease or with another call (see `holds`); `settle()` gives back the unused tokens and turns the estimate into
 the actual cost, in memory. `admit_request()` takes one request from the key's request bucket alone, for
-the routes that cost no tokens (files, evals, graders). Limits and budgets are cached here for
-`limits_cache_ttl_s` (no database round trip per request); the admin API drops the entry of an organisation
-it changes.
+the routes of a key that cost no tokens (files, evals, graders, jobs, models, usage). Limits and budgets are
+cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops the entry of
+an organisation it changes.
 
 Every admitted completion carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers:
 the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
@@ -260,10 +260,11 @@ class Guard:
 
     async def admit_request(self, org_id: str, key_id: str) -> None:
         """Take one request from the key's request bucket, or raise 429 `rate_limit_exceeded` (with
-        `retry-after`): the per-key limit of the routes that cost no tokens (files, evals, graders), so
-        that a flood of them is refused as cheaply as a flood of chats. The key's bucket is the one its
-        completions take from; the organisation's buckets and the budget meter model calls (those the
-        graders routes make take from them as chats do), and reading one's files never waits for money."""
+        `retry-after`): the per-key limit of the routes that cost no tokens (files, evals, graders, jobs,
+        models, usage), so that a flood of them is refused as cheaply as a flood of chats. The key's bucket
+        is the one its completions take from; the organisation's buckets and the budget meter model calls
+        (those the graders routes make take from them as chats do), and reading one's files never waits for
+        money."""
         limit = (await self.policy(org_id)).keys.get(key_id, self.default_key).requests
         if not limit or self.buckets is None:
             return

@@ -6,7 +6,7 @@ from typing import Literal
 
 from fastapi import APIRouter
 
-from gateway.deps import PrincipalDep, ResourcesDep
+from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.errors import PermissionDenied, not_found
 from gateway.models import store
 from gateway.models.store import ModelRow
@@ -14,7 +14,7 @@ from gateway.protocol import OpenAIBaseModel
 from gateway.serving.service import forget_model
 from gateway.timeutil import ts
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[RequestLimitDep])
 
 
 class Model(OpenAIBaseModel):

@@ -1,7 +1,8 @@
 """Routes `GET /v1/organization/usage/completions` and `GET /v1/organization/costs`.
 
 An organisation's keys (a person's, not those minted for an eval run or a job) read their own organisation's
-usage; the admin key reads any, naming it with the `organization_id` query parameter.
+usage, each read taking one request from the key's request limit; the admin key reads any, naming it with
+the `organization_id` query parameter.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ router = APIRouter(prefix="/v1/organization", tags=["usage"])
 
 
 async def _organization(res: ResourcesDep, authorization: str | None, organization_id: str | None) -> str:
+    """The organisation whose usage is read. An organisation's key takes one request from its request
+    bucket, as `RequestLimitDep` does on the other routes of a key (that dependency would refuse the admin
+    key, which these routes also take and which no per-key bucket limits)."""
     token = bearer_token(authorization)
     if res.admin_key and hmac.compare_digest(token.encode(), res.admin_key.encode()):
         if not organization_id:
             raise InvalidRequest("The admin key must name organization_id.", param="organization_id")
         return organization_id
     who = await authenticate_person(res, token)  # a key minted for an eval run or a job: 403
+    await res.guard.admit_request(who.organization_id, who.api_key_id)
     return who.organization_id  # an organisation's key sees only its own usage, whatever it asks
 
 

@@ -1,6 +1,7 @@
 """Rate limits and budgets on the serving path, through a real engine: 429s with OpenAI's headers at the
-configured rate and recovery after it; concurrent requests never overspend a budget; the files, evals and
-graders routes take from the key's request limit too."""
+configured rate and recovery after it; concurrent requests never overspend a budget; the files, evals,
+graders, jobs, models and usage routes take from the key's request limit too, the admin key's usage reads
+from none."""
 
 from __future__ import annotations
 
@@ -295,16 +296,21 @@ ROUTE_FAMILIES: dict[str, tuple[str, str, dict[str, Any] | None]] = {
     "files": ("GET", "/v1/files", None),
     "evals": ("GET", "/v1/evals", None),
     "graders": ("POST", "/v1/fine_tuning/alpha/graders/validate", {"grader": SAYS_YES}),
+    "jobs": ("GET", "/v1/fine_tuning/jobs", None),
+    "models": ("GET", "/v1/models", None),
+    "usage": ("GET", "/v1/organization/usage/completions?start_time=0", None),
+    "costs": ("GET", "/v1/organization/costs?start_time=0", None),
 }
 """One request of each route family that costs no tokens: (method, path, JSON body)."""
 
 
 @pytest.mark.parametrize("family", list(ROUTE_FAMILIES))
-def test_files_evals_and_graders_routes_take_from_the_keys_request_limit(
+def test_routes_that_cost_no_tokens_take_from_the_keys_request_limit(
     gw: GatewayServer, gw_admin: Admin, family: str
 ) -> None:
-    """A key limited to 2 requests a minute gets 2 answers from each of these route families, then the
-    chat route's 429 in OpenAI's envelope; its own chats share the bucket, another key's do not."""
+    """A key limited to 2 requests a minute gets 2 answers from each route family of a key that costs no
+    tokens (files, evals, graders, jobs, models, usage), then the chat route's 429 in OpenAI's envelope;
+    its own chats share the bucket, another key's do not."""
     org = gw_admin.tenant("rl-routes-" + secrets.token_hex(3))
     gw_admin.http.post(
         f"/v1/admin/api_keys/{org.key_id}/limits", json={"max_requests_per_1_minute": 2}
@@ -329,3 +335,5 @@ def test_files_evals_and_graders_routes_take_from_the_keys_request_limit(
     other = gw_admin.tenant("rl-routes-other-" + secrets.token_hex(3))
     with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {other.key}"}, timeout=60) as api:
         assert api.request(method, path, json=body).status_code == 200
+    if path.startswith("/v1/organization/"):  # the admin key, in no key's bucket, still reads that usage
+        assert gw_admin.http.get(f"{path}&organization_id={org.org_id}").status_code == 200
