@@ -16,19 +16,16 @@ run's status, so a cancel (or a delete) stops the run between items. Items are w
 (`UNIQUE (run_id, datasource_item_id)`), so a run taken back from a dead worker resumes with the items it
 lacks.
 
-A run's items file is read as its items are taken (`PendingItems`), never held whole: the worker holds the
-items read ahead and those in flight, whatever the size of the file.
+A run's items file is read as its items are taken (`gateway.worker.eval_items`), never held whole: the
+worker holds the items read ahead and those in flight, whatever the size of the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
-from collections import deque
-from collections.abc import Collection, Iterator
 from typing import Any
 
 import asyncpg
@@ -39,24 +36,19 @@ from envsdk.inference_client import InferenceClient
 from envsdk.python_grader import PythonGraders
 from gateway.errors import InvalidRequest
 from gateway.evals import store
-from gateway.evals.datasource import Row, iter_rows_of_file, render_messages, rows_of_content
+from gateway.evals.datasource import Row, render_messages
 from gateway.evals.grading import Summary, add_usage, grade_item, item_status
 from gateway.evals.rows import RunRow
-from gateway.files import store as files_store
 from gateway.queue import RUN_EVAL, enqueue
 from gateway.settings import Settings
 from gateway.tenancy import scoped
 from gateway.worker.context import JobContext
+from gateway.worker.eval_items import ITEMS_IN_FLIGHT, PendingItems
 
 logger = logging.getLogger(__name__)
 
 KEY_TTL_S = 300.0
 """Life of a run's key between renewals (the heartbeat renews it every third of that)."""
-ITEMS_IN_FLIGHT = 4
-"""Items of one run sampled and graded at once (the engines batch concurrent requests)."""
-ITEMS_READ_AHEAD = 2 * ITEMS_IN_FLIGHT
-"""Items read from a run's file in one step (in a thread): with those in flight, all of the file a worker
-holds at once. Each item costs a completion and a database write: next to them, a small step costs nothing."""
 SAMPLE_TIMEOUT_S = 300.0
 """Longest wait for one completion."""
 SAMPLE_TRIES = 3
@@ -82,101 +74,6 @@ def _seconds(value: str | None) -> float | None:
         return float(value) if value is not None else None
     except ValueError:
         return None
-
-
-class PendingItems:
-    """The items of a run it still lacks, `(index, row)` in the data source's order, read from the run's file
-    `ITEMS_READ_AHEAD` at a time as the run's lanes take them (a file is never held whole).
-
-    The run's create checked every item with the same code (`gateway.evals.datasource`), so a file fails
-    here only if it changed since, or the limits did: the items before the line that fails are taken, then
-    none, and `error` says why (the run then fails with it, as a file that fails at its first line fails the
-    run before any item)."""
-
-    def __init__(self, rows: Iterator[Row], *, threaded: bool, done: Collection[int] = ()) -> None:
-        self._rows = rows
-        self._threaded = threaded
-        """Whether a step reads a file (in a thread, off the event loop) or a list in memory."""
-        self._done = done
-        self._ahead: deque[tuple[int, Row]] = deque()
-        self._read = 0
-        """Rows read so far: the index of the next one."""
-        self._ended = False
-        self._lock = asyncio.Lock()  # the lanes take from one reader, each item once
-        self.error: dict[str, str] | None = None
-        """`{"code", "message"}` of the line that broke the rules; None while the file reads well."""
-
-    @classmethod
-    async def open(cls, ctx: JobContext[RunRow], *, done: Collection[int] = ()) -> PendingItems:
-        """The run's pending items, with a first step read (a file that cannot be opened fails here, not in
-        a lane); `InvalidRequest` when the run's file was deleted. `done`: the indexes the run recorded."""
-        source = ctx.row.data_source["source"]
-        if source["type"] == "file_content":  # in the run's row already, checked at create
-            items = cls(iter(rows_of_content(source["content"])), threaded=False, done=done)
-        else:
-            file = await files_store.get(ctx.pool, org_id=ctx.org_id, file_id=source["id"])
-            if file is None:
-                raise InvalidRequest(
-                    f"File '{source['id']}' was deleted before the run read it.", code="invalid_file"
-                )
-            rows = iter_rows_of_file(
-                ctx.blobs.path(file.blob_key),
-                max_line_bytes=ctx.settings.max_jsonl_line_bytes,
-                max_depth=ctx.settings.max_json_depth,  # the rules the create checked the file with
-            )
-            items = cls(rows, threaded=True, done=done)
-        try:
-            await items._step()
-        except BaseException:
-            items.close()
-            raise
-        return items
-
-    async def take(self) -> tuple[int, Row] | None:
-        """The next pending item, or None when there is none left (or the file failed: see `error`)."""
-        async with self._lock:
-            while True:
-                while self._ahead:
-                    index, row = self._ahead.popleft()
-                    if index not in self._done:
-                        return index, row
-                if self._ended:
-                    return None
-                await self._step()
-
-    async def _step(self) -> None:
-        if self._threaded:
-            batch, error = await asyncio.to_thread(_next_rows, self._rows, ITEMS_READ_AHEAD)
-        else:
-            batch, error = _next_rows(self._rows, ITEMS_READ_AHEAD)
-        for row in batch:
-            self._ahead.append((self._read, row))
-            self._read += 1
-        if error is not None:
-            self.error = {"code": error.code or "invalid_data_source", "message": error.message}
-        if error is not None or len(batch) < ITEMS_READ_AHEAD:
-            self._ended = True
-            self.close()
-
-    def close(self) -> None:
-        """Close the file (a reader left unfinished holds it open)."""
-        close = getattr(self._rows, "close", None)
-        if close is not None:
-            # A step still running in its thread (the run was cancelled mid-read) cannot be closed: the file
-            # then closes when that step ends and the reader is collected.
-            with contextlib.suppress(ValueError):
-                close()
-
-
-def _next_rows(rows: Iterator[Row], count: int) -> tuple[list[Row], InvalidRequest | None]:
-    """Up to `count` rows, and the refusal of the line that stopped them short, if one did."""
-    batch: list[Row] = []
-    try:
-        for row in itertools.islice(rows, count):
-            batch.append(row)
-    except InvalidRequest as exc:
-        return batch, exc
-    return batch, None
 
 
 class EvalRunExecution:

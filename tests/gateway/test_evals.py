@@ -29,7 +29,7 @@ from gateway.evals import store as evals_store
 from gateway.evals.datasource import pass_threshold
 from gateway.evals.rows import RunRow
 from gateway.worker.context import JobContext
-from gateway.worker.evals import ITEMS_READ_AHEAD, PendingItems
+from gateway.worker.eval_items import ITEMS_READ_AHEAD, PendingItems
 from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture, worker_fixture
