@@ -33,6 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "distributed": ("bench.distributed", "Distributed: two training processes (DDP) against one"),
     "dashboard": ("bench.dashboard", "Dashboard: a job with 10,000 steps of metrics opens"),
     "tinker": ("bench.tinker_api", "Tinker API: a training step and sampling, through the API vs in process"),
+    "tinker_wire": ("bench.tinker_wire", "Tinker wire: gateway CPU to refuse a malformed forward_backward"),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",

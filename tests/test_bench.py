@@ -25,7 +25,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-SEPARATE = ("training", "stalls", "distributed", "dashboard", "tinker", "formats")
+SEPARATE = ("training", "stalls", "distributed", "dashboard", "tinker", "tinker_wire", "formats")
 """Benches with a test of their own below (each too long for the combined quick report's time)."""
 
 
@@ -208,6 +208,18 @@ def test_tinker_bench_compares_the_api_with_the_computation_it_serves(tmp_path: 
         assert all(_number(rates[path]) and rates[path] > 0 for path in ("engine", "gateway", "tinker"))
         assert _number(t["sampling"][model]["tinker_vs_engine"])
     assert "Tinker API tok/s" in (tmp_path / "B.md").read_text()
+
+
+def test_tinker_wire_bench_measures_every_refusal_both_ways(tmp_path: Path) -> None:
+    w = run_quick("tinker_wire", tmp_path)
+    assert "error" not in w, w.get("traceback")
+    refused = {name for name, row in w["decoder"].items() if row["kind"] != "accepted"}
+    assert refused and refused <= set(w["gateway"])  # each refusal measured in process and through a gateway
+    for row in w["decoder"].values():
+        assert _number(row["median_ms"]) and _number(row["max_ms"])
+    for row in w["gateway"].values():
+        assert _number(row["cpu_ms_per_request"])
+    assert "Malformed tensors, whatever their declared shape" in (tmp_path / "B.md").read_text()
 
 
 def test_dashboard_bench_opens_a_long_job(tmp_path: Path) -> None:
