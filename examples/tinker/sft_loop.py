@@ -5,10 +5,13 @@ weighted 0 and the answer's (and its end-of-turn token) 1. Held-out reward (gree
 never trained on, scored by the arithmetic environment) is measured before and after.
 
     TINKER_BASE_URL=http://localhost:8000 TINKER_API_KEY=tml-sk-tg-... python examples/tinker/sft_loop.py
+
+`--steps N` sets the number of training steps (default 9).
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from dataclasses import dataclass, field
@@ -54,28 +57,38 @@ def sft_datum(tokenizer: Any, task: dict[str, Any]) -> types.Datum:
 
 
 def main(config: Config) -> Result:
-    service = tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key)
-    tc = service.create_lora_training_client(base_model=config.base_model, rank=config.rank, seed=config.seed)
-    tokenizer = tc.get_tokenizer()
-    env = arithmetic_env()
-    train, heldout = problems("tasks.jsonl"), problems("heldout.jsonl")
-    rng = random.Random(config.seed)
-    before = heldout_reward(tc.save_weights_and_get_sampling_client(), tokenizer, env, heldout)
-    result = Result(before, 0.0)
-    adam = types.AdamParams(learning_rate=config.learning_rate)
-    for step in range(config.steps):
-        batch = [sft_datum(tokenizer, task) for task in rng.sample(train, config.batch)]
-        fb = tc.forward_backward(batch, "cross_entropy")
-        optim = tc.optim_step(adam)
-        out = fb.result()
-        optim.result()
-        answer_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
-        result.losses.append(out.metrics["loss:sum"] / answer_tokens)
-        print(f"step {step}: loss {result.losses[-1]:.4f}", flush=True)
-    result.heldout_after = heldout_reward(tc.save_weights_and_get_sampling_client(), tokenizer, env, heldout)
-    print(f"held-out reward {result.heldout_before:.3f} -> {result.heldout_after:.3f}")
-    return result
+    # Leaving the block finishes the session: the server saves the model and frees its training slot at
+    # once, rather than after the idle timeout.
+    with tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key) as service:
+        tc = service.create_lora_training_client(
+            base_model=config.base_model, rank=config.rank, seed=config.seed
+        )
+        tokenizer = tc.get_tokenizer()
+        env = arithmetic_env()
+        train, heldout = problems("tasks.jsonl"), problems("heldout.jsonl")
+        rng = random.Random(config.seed)
+        before = heldout_reward(tc.save_weights_and_get_sampling_client(), tokenizer, env, heldout)
+        result = Result(before, 0.0)
+        adam = types.AdamParams(learning_rate=config.learning_rate)
+        for step in range(config.steps):
+            batch = [sft_datum(tokenizer, task) for task in rng.sample(train, config.batch)]
+            fb = tc.forward_backward(batch, "cross_entropy")
+            optim = tc.optim_step(adam)
+            out = fb.result()
+            optim.result()
+            answer_tokens = sum(sum(d.loss_fn_inputs["weights"].tolist()) for d in batch)
+            result.losses.append(out.metrics["loss:sum"] / answer_tokens)
+            print(f"step {step}: loss {result.losses[-1]:.4f}", flush=True)
+        result.heldout_after = heldout_reward(
+            tc.save_weights_and_get_sampling_client(), tokenizer, env, heldout
+        )
+        print(f"held-out reward {result.heldout_before:.3f} -> {result.heldout_after:.3f}")
+        return result
 
 
 if __name__ == "__main__":
-    main(Config())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--steps", type=int, default=Config.steps, help="training steps (default: %(default)s)"
+    )
+    main(Config(steps=parser.parse_args().steps))
