@@ -7,7 +7,9 @@ for a few seconds.
 
 Adapters go onto engines through vLLM's runtime LoRA endpoints (`AdapterLoader`, one httpx client). The
 gateway's `Engines` remembers which engine holds which adapter and makes concurrent loads of one adapter on
-one engine a single load; the worker, which serves nothing, uses an `AdapterLoader` on its own.
+one engine a single load; the worker, which serves nothing, uses an `AdapterLoader` on its own. An adapter
+whose rank is above `engine_max_lora_rank` is refused before any engine is asked, where the gateway can read
+its `adapter_config.json`; an engine's refusal is mapped in `gateway.serving.engine_errors`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.serving.engine_client import EngineClient, make_client
+from gateway.serving.engine_errors import AdapterRankTooLarge, adapter_load_error
 from gateway.settings import Settings
 from gateway.singleflight import SingleFlight
 
@@ -66,10 +70,20 @@ class Target:
         return self.base_model if self.adapter_path is None else self.model_id
 
 
-class AdapterLoadFailed(APIError):
-    status = 500
-    type = "server_error"
-    default_code = "adapter_load_failed"
+def adapter_rank(path: str) -> int | None:
+    """The largest LoRA rank of the adapter in `path`: its `adapter_config.json`'s `r` and any per-module
+    `rank_pattern` value (vLLM holds adapters to the largest); None when the file cannot be read here (the
+    engines may see files the gateway does not, and judge for themselves)."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    pattern = config.get("rank_pattern")
+    ranks = [config.get("r"), *(pattern.values() if isinstance(pattern, dict) else ())]
+    ints = [r for r in ranks if type(r) is int]
+    return max(ints) if ints else None
 
 
 class AdapterLoader:
@@ -81,15 +95,23 @@ class AdapterLoader:
         }
         """Engine base URLs (without `/v1`) of each base model."""
         self.client = client if client is not None else make_client()
+        self.max_lora_rank = settings.engine_max_lora_rank
+        """Adapters of a higher rank are refused before an engine is asked (the engines'
+        `--max-lora-rank`)."""
         self.load_count = 0
         """Adapter loads actually sent to engines."""
 
     async def load(self, url: str, target: Target) -> None:
         """Load `target`'s adapter on the engine at `url` ("already loaded" counts as done).
 
-        Raises `httpx.HTTPError` when the engine cannot be reached, `AdapterLoadFailed` when it refuses.
+        Raises `AdapterRankTooLarge` before asking the engine when the adapter's rank is above
+        `max_lora_rank`, `httpx.HTTPError` when the engine cannot be reached, and the engine's refusal as
+        `engine_errors.adapter_load_error` maps it.
         """
         assert target.adapter_path is not None
+        rank = await asyncio.to_thread(adapter_rank, target.adapter_path)
+        if rank is not None and rank > self.max_lora_rank:
+            raise AdapterRankTooLarge(target.model_id, rank, self.max_lora_rank)
         self.load_count += 1
         t0 = time.perf_counter()
         resp = await self.client.post(
@@ -103,8 +125,9 @@ class AdapterLoader:
         if resp.status_code == 200 or (resp.status_code == 400 and "already" in resp.text.lower()):
             logger.info("adapter %s on %s ready in %.2fs", target.model_id, url, time.perf_counter() - t0)
             return
-        logger.warning("engine %s refused adapter %s: %s", url, target.model_id, resp.text[:300])
-        raise AdapterLoadFailed(f"The inference engine could not load model '{target.model_id}'.")
+        raise adapter_load_error(
+            resp.status_code, resp.content, model=target.model_id, url=url, path=target.adapter_path
+        )
 
     async def unload(self, url: str, model_id: str) -> None:
         """Unload `model_id` from the engine at `url` (unknown there counts as done)."""
@@ -229,7 +252,8 @@ class Engines:
     async def ensure_loaded(self, upstream: Upstream, target: Target) -> None:
         """Make sure `upstream` holds the adapter of `target`: one load per (engine, adapter) at a time.
 
-        Raises `httpx.TransportError` when the engine cannot be reached, `AdapterLoadFailed` when it refuses.
+        Raises `httpx.TransportError` when the engine cannot be reached, the error of `AdapterLoader.load`
+        when the adapter cannot be served.
         """
         if target.adapter_path is None or target.model_id in upstream.loaded:
             return

@@ -1,4 +1,5 @@
-"""Wire handling of proxied requests: read `model`/`stream` once, rewrite `model`, translate errors.
+"""Wire handling of proxied requests: read `model`/`stream` once, rewrite `model` (engines' error answers are
+mapped in `gateway.serving.engine_errors`).
 
 Bodies are forwarded as received: the gateway parses them once with orjson to learn the model and whether
 to stream, rewrites `model` to the engine's name and passes everything else through untouched, so every
@@ -19,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import APIError, InvalidRequest, UpstreamError
+from gateway.errors import APIError, InvalidRequest
 from gateway.wire import INT64_MAX, INT64_MIN, diagnose
 
 logger = logging.getLogger(__name__)
@@ -175,35 +176,3 @@ class StreamRewriter:
 def error_event(exc: APIError) -> bytes:
     """The final SSE event of a stream that failed after it started."""
     return b"data: " + orjson.dumps(exc.body()) + b"\n\n" + DONE_LINE + b"\n\n"
-
-
-def upstream_error(status: int, raw: bytes) -> UpstreamError:
-    """An engine's error answer as the gateway's own error, status kept, in OpenAI's shape.
-
-    Accepts vLLM's envelope `{"error": {...}}` and its older flat `{"object": "error", ...}` form.
-    """
-    message, type_, param, code = f"The inference engine answered with status {status}.", None, None, None
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        data = None
-    if isinstance(data, dict):
-        err = data.get("error") if isinstance(data.get("error"), dict) else data
-        assert isinstance(err, dict)
-        message = str(err.get("message") or message)
-        type_ = err.get("type")
-        param = err.get("param")
-        code = err.get("code")
-    elif raw:
-        message = raw.decode(errors="replace")[:500]
-    if status >= 500:
-        type_ = "server_error"
-    elif not type_ or type_ in ("BadRequestError", "NotFoundError"):
-        type_ = "invalid_request_error"
-    return UpstreamError(
-        status,
-        message,
-        type_=str(type_),
-        param=str(param) if param is not None else None,
-        code=str(code) if code is not None and not isinstance(code, int) else None,
-    )

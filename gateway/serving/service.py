@@ -22,14 +22,9 @@ from gateway.errors import APIError, ServiceUnavailable, UpstreamError
 from gateway.limits.guard import Admission
 from gateway.serving import targets
 from gateway.serving.engine_client import UpstreamBroken, UpstreamResponse, UpstreamUnreachable
+from gateway.serving.engine_errors import engine_error
 from gateway.serving.engines import Target, Upstream
-from gateway.serving.protocol import (
-    ProxyRequest,
-    StreamRewriter,
-    error_event,
-    rewrite_response,
-    upstream_error,
-)
+from gateway.serving.protocol import ProxyRequest, StreamRewriter, error_event, rewrite_response
 from gateway.tenancy.keys import Principal
 from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
@@ -58,8 +53,8 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
     """Send the request to the best engine; the next one when an engine cannot be reached.
 
     Returns the engine (its `in_flight` counting this request until the caller lowers it) and its response,
-    status and headers read, with a status below 400; raises the engine's error otherwise, or 503 when no
-    engine answers.
+    status and headers read, with a status below 400; raises the engine's error otherwise (as
+    `engine_errors.engine_error` maps it), or 503 when no engine answers.
     """
     adapter = target.model_id if target.adapter_path is not None else None
     last: Exception | None = None
@@ -98,7 +93,7 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
                 # The engine lost the adapter (restart, eviction by name, another gateway unloaded it).
                 up.loaded.discard(adapter)
                 continue
-            raise upstream_error(resp.status, raw)
+            raise engine_error(resp.status, raw, model=target.model_id, path=path)
     logger.warning("no engine of %s reachable: %s", target.base_model, last)
     raise ServiceUnavailable(
         f"The inference engine for model '{target.model_id}' is unavailable. Please retry shortly.",

@@ -2,8 +2,9 @@
 under the supervisor (the `vllm_server` fixture), behind a gateway.
 
 - the greedy answers of the base model and of an adapter loaded at run time equal the embedded engine's;
-- bad input that reaches an engine answers OpenAI's envelope through the gateway, on both engines, and
-  where vLLM answers otherwise the difference is here with its reason;
+- bad input answers one envelope through the gateway on both engines: a prompt over the context, a model
+  the engine does not serve, a missing adapter folder, an adapter rank above `--max-lora-rank` (refused by
+  the gateway itself where it knows the limit, mapped from vLLM's answer where it does not);
 - a vLLM that dies mid-stream: the client gets an error event, the supervisor starts it again (its engine
   core and worker killed with it), and the next request, for an adapter too, is answered.
 
@@ -31,7 +32,7 @@ from gateway.settings import BaseModelConfig, Settings
 from inference.vllm import VllmUnavailable
 from tests.inference.conftest import VLLM_MAX_LORA_RANK, RunningServer
 from tests.support.data import BASE, MESSAGES
-from tests.support.engine import make_lora_adapter, register_model
+from tests.support.engine import make_lora_adapter, register_model, resources_of
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
 from tunegate.processes import EngineProcess, free_port, wait_port
 from tunegate.vllm_process import VllmEngineProcess, engine_processes
@@ -45,6 +46,11 @@ LONG_PROMPT: Any = [{"role": "user", "content": "a b " * 1100}]
 and the test vLLM's `--max-model-len` (1024), under what the gateway's own estimate refuses."""
 
 
+GATEWAYS = ("embedded", "vllm", "vllm-unsized")
+"""The gateways of this module: one on each engine, sized as the engines are (`engine_max_lora_rank`), and
+one on vLLM that knows nothing of its sizes, as a gateway in front of an engine it did not start."""
+
+
 @pytest.fixture(scope="module")
 def gateways(
     services: Services,
@@ -54,21 +60,28 @@ def gateways(
     engine_server: RunningServer,
     vllm_server: VllmEngineProcess,
 ) -> Iterator[dict[str, GatewayServer]]:
-    """A gateway on each engine, `tiny-chat` and `other-chat` both routed to it."""
+    """The `GATEWAYS`, `tiny-chat` and `other-chat` both routed to their engine."""
     started: dict[str, GatewayServer] = {}
-    for name, url in (("embedded", engine_server.url), ("vllm", vllm_server.url)):
-        settings = make_settings(
-            data_dir=tmp_path_factory.mktemp(f"{name}-gw"),
-            database_url=database,
-            redis_url=services.redis_url,
-            tiny_model=tiny_model_dir,
-        )
-        settings.base_models[BASE].upstreams = [url]
-        settings.base_models[UNSERVED] = BaseModelConfig(path=tiny_model_dir, upstreams=[url])
-        started[name] = GatewayServer(settings).start()
-    yield started
-    for server in started.values():
-        server.stop()
+    urls = {"embedded": engine_server.url, "vllm": vllm_server.url, "vllm-unsized": vllm_server.url}
+    try:
+        for name in GATEWAYS:
+            sized: dict[str, Any] = {}
+            if name != "vllm-unsized":
+                sized = {"engine_max_lora_rank": VLLM_MAX_LORA_RANK}
+            settings = make_settings(
+                data_dir=tmp_path_factory.mktemp(f"{name}-gw"),
+                database_url=database,
+                redis_url=services.redis_url,
+                tiny_model=tiny_model_dir,
+                **sized,
+            )
+            settings.base_models[BASE].upstreams = [urls[name]]
+            settings.base_models[UNSERVED] = BaseModelConfig(path=tiny_model_dir, upstreams=[urls[name]])
+            started[name] = GatewayServer(settings).start()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -118,96 +131,127 @@ def test_greedy_answers_match_the_embedded_engine(
 
 
 # -------------------------------------------------------------------------------------- bad input
-BAD_INPUT: dict[str, dict[str, tuple[int, dict[str, Any]]]] = {
+# What an engine refuses answers one envelope through the gateway whichever engine it is
+# (`gateway.serving.engine_errors`); only the engines' own words in `message` differ, where they say more.
+LONG_TEXT = "a b " * 1100
+"""2200 tokens of tiny-chat as a completion's prompt (2201 with the BOS token the embedded engine adds)."""
+CONTEXT_MESSAGES = {
     "embedded": {
-        "long prompt": (
+        "messages": "The prompt has 2229 tokens; this model's context is 2048.",
+        "prompt": "The prompt has 2201 tokens; this model's context is 2048.",
+    },
+    "vllm": {
+        field: "This model's maximum context length is 1024 tokens. However, your prompt contains at least"
+        " 1025 input tokens, which exceeds this limit even without any output tokens. Please reduce the"
+        " length of the input prompt."
+        for field in ("messages", "prompt")
+    },
+}
+"""The engines' own words for a prompt over their context (vLLM's without its `(parameter=input_tokens,
+value=1025)` tail: `param` names the request's field)."""
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_prompt_over_the_context_is_context_length_exceeded(
+    gateways: dict[str, GatewayServer], engine: str
+) -> None:
+    """vLLM answers `param: "input_tokens"` and `code: 400`; through the gateway, OpenAI's
+    `context_length_exceeded` naming the request's field, as the embedded engine answers."""
+    org = _tenant(gateways[engine])
+    with pytest.raises(openai.BadRequestError) as chat:
+        org.client.chat.completions.create(model=BASE, messages=LONG_PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as legacy:
+        org.client.completions.create(model=BASE, prompt=LONG_TEXT, max_tokens=4)
+    for info, field in ((chat, "messages"), (legacy, "prompt")):
+        assert _error(info.value) == (
             400,
             {
-                "message": "The prompt has 2229 tokens; this model's context is 2048.",
+                "message": CONTEXT_MESSAGES[engine][field],
                 "type": "invalid_request_error",
-                "param": "messages",
+                "param": field,
                 "code": "context_length_exceeded",
             },
-        ),
-        "unserved model": (
+        )
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_model_the_engine_does_not_serve_is_model_not_found(
+    gateways: dict[str, GatewayServer], engine: str
+) -> None:
+    """vLLM answers `code: 404` and lists the names it serves; through the gateway, the same 404
+    `model_not_found` on both engines, streamed or not."""
+    org = _tenant(gateways[engine])
+    for stream in (False, True):
+        with pytest.raises(openai.NotFoundError) as info:
+            org.client.chat.completions.create(model=UNSERVED, messages=MESSAGES, max_tokens=4, stream=stream)
+        assert _error(info.value) == (
             404,
             {
-                "message": "The model `other-chat` does not exist.",
+                "message": f"The model `{UNSERVED}` does not exist.",
                 "type": "invalid_request_error",
                 "param": "model",
                 "code": "model_not_found",
             },
-        ),
-    },
-    "vllm": {
-        # vLLM names the tokens it counted, not the request's field, and its code is the HTTP status
-        # (an integer), which the gateway drops: OpenAI's `context_length_exceeded` is missing.
-        "long prompt": (
-            400,
-            {
-                "message": "This model's maximum context length is 1024 tokens. However, your prompt contains"
-                " at least 1025 input tokens, which exceeds this limit even without any output tokens."
-                " Please reduce the length of the input prompt. (parameter=input_tokens, value=1025)",
-                "type": "invalid_request_error",
-                "param": "input_tokens",
-                "code": None,
-            },
-        ),
-        "unserved model": (
-            404,
-            {
-                "message": "The model `other-chat` does not exist. Valid aliases: tiny-chat.",
-                "type": "invalid_request_error",
-                "param": "model",
-                "code": None,
-            },
-        ),
-    },
-}
-"""What a gateway answers, by engine, for a request that the engine refuses."""
-
-ADAPTER_LOAD_FAILED = {
-    "type": "server_error",
-    "param": None,
-    "code": "adapter_load_failed",
-}
-"""The gateway's answer when the engine refuses to load a fine-tuned model's adapter (with a message
-naming the model)."""
+        )
 
 
 @pytest.mark.parametrize("engine", ["embedded", "vllm"])
-@pytest.mark.parametrize("case", ["long prompt", "unserved model"])
-def test_refused_requests_answer_openai_envelope(
-    gateways: dict[str, GatewayServer], engine: str, case: str
-) -> None:
-    org = _tenant(gateways[engine])
-    model, messages = (BASE, LONG_PROMPT) if case == "long prompt" else (UNSERVED, MESSAGES)
-    with pytest.raises(openai.APIStatusError) as info:
-        org.client.chat.completions.create(model=model, messages=messages, max_tokens=4)
-    assert _error(info.value) == BAD_INPUT[engine][case]
-
-
-@pytest.mark.parametrize("engine", ["embedded", "vllm"])
-def test_missing_adapter_folder_is_a_load_failure(
+def test_missing_adapter_folder_is_the_servers_fault(
     gateways: dict[str, GatewayServer], engine: str, tmp_path: Path
 ) -> None:
+    """A registered model whose folder is gone: vLLM's load answers 404, the embedded engine's 400; through
+    the gateway both are a 500 `adapter_files_missing` (the server's state, which no retry mends), with no
+    path in it."""
     org = _tenant(gateways[engine])
     model = _ft_model(gateways[engine], org, tmp_path / "gone")
     with pytest.raises(openai.InternalServerError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
-    status, error = _error(info.value)
-    assert status == 500
-    assert error == {
-        **ADAPTER_LOAD_FAILED,
-        "message": f"The inference engine could not load model '{model}'.",
-    }
+    assert _error(info.value) == (
+        500,
+        {
+            "message": f"Model '{model}' cannot be served: its adapter files are missing on the server.",
+            "type": "server_error",
+            "param": None,
+            "code": "adapter_files_missing",
+        },
+    )
 
 
-def test_rank_above_max_lora_rank(
+def _rank_refusal(model: str) -> tuple[int, dict[str, Any]]:
+    return (
+        400,
+        {
+            "message": f"Model '{model}' cannot be served: it is a LoRA adapter of rank 32, and the inference"
+            f" engine serves ranks up to {VLLM_MAX_LORA_RANK}.",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "adapter_rank_too_large",
+        },
+    )
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_rank_above_max_lora_rank_is_refused_before_the_engine(
+    gateways: dict[str, GatewayServer], engine: str, rank32_adapter: Path
+) -> None:
+    """The gateway reads the adapter's rank and holds it to `engine_max_lora_rank` itself: the same 400 on
+    both engines (the embedded engine would load any rank), and no engine is asked."""
+    gateway = gateways[engine]
+    org = _tenant(gateway)
+    model = _ft_model(gateway, org, rank32_adapter)
+    loads = resources_of(gateway).engines.load_count
+    with pytest.raises(openai.BadRequestError) as info:
+        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+    assert _error(info.value) == _rank_refusal(model)
+    assert resources_of(gateway).engines.load_count == loads
+
+
+def test_rank_above_vllms_max_lora_rank_through_a_gateway_that_does_not_know_it(
     gateways: dict[str, GatewayServer], vllm_server: VllmEngineProcess, rank32_adapter: Path
 ) -> None:
-    """vLLM reserves memory for ranks up to `--max-lora-rank` and refuses a higher one, with a 500 of its
-    own; through the gateway, a load failure. (The embedded engine loads any rank.)"""
+    """vLLM reserves memory for ranks up to `--max-lora-rank` and refuses a higher one with a 500 of its
+    own; a gateway whose `engine_max_lora_rank` is above the engine's asks it, and answers its refusal as
+    the same 400."""
     direct = httpx.post(
         f"{vllm_server.url}/v1/load_lora_adapter",
         json={"lora_name": "r32-" + secrets.token_hex(3), "lora_path": str(rank32_adapter)},
@@ -217,14 +261,14 @@ def test_rank_above_max_lora_rank(
     assert error["type"] == "InternalServerError"
     assert f"LoRA rank 32 is greater than max_lora_rank {VLLM_MAX_LORA_RANK}" in error["message"]
 
-    org = _tenant(gateways["vllm"])
-    model = _ft_model(gateways["vllm"], org, rank32_adapter)
-    with pytest.raises(openai.InternalServerError) as info:
+    gateway = gateways["vllm-unsized"]
+    org = _tenant(gateway)
+    model = _ft_model(gateway, org, rank32_adapter)
+    loads = resources_of(gateway).engines.load_count
+    with pytest.raises(openai.BadRequestError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
-    assert _error(info.value) == (
-        500,
-        {**ADAPTER_LOAD_FAILED, "message": f"The inference engine could not load model '{model}'."},
-    )
+    assert _error(info.value) == _rank_refusal(model)
+    assert resources_of(gateway).engines.load_count == loads + 1
 
 
 # ------------------------------------------------------------------------------------- restart
