@@ -35,11 +35,6 @@ def check_loss(name: str) -> None:
         raise LossInputError(error)
 
 
-def required_inputs(name: str) -> tuple[str, ...]:
-    """The `loss_fn_inputs` every datum of the loss `name` must carry (`weights` is optional)."""
-    return ("target_tokens",) if name == "cross_entropy" else ("target_tokens", "logprobs", "advantages")
-
-
 def _need(inputs: dict[str, Any], name: str, loss: str) -> Any:
     if name not in inputs:
         raise LossInputError(f"The loss '{loss}' needs the loss_fn_input '{name}'.")

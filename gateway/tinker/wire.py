@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from google.protobuf import descriptor_pool, message_factory
 
-from trainer.tinker_losses import required_inputs
+from trainer.spec import tinker_required_inputs
 
 _SCHEMA = base64.b64decode(
     "ChN0aW5rZXJfcHVibGljLnByb3RvEg10aW5rZXJfcHVibGljIpwDCg5TYW1wbGVSZXNwb25zZRIxCglzZXF1ZW5jZXMYASAD"
@@ -167,7 +167,7 @@ class ForwardBackward:
     def check_inputs(self, vocab_size: int | None) -> None:
         """Refuse a datum without an input its loss reads, or with a token id out of the base model's
         vocabulary (`vocab_size`, None when unknown: the training process checks its embedding then)."""
-        needed = required_inputs(self.loss_fn)
+        needed = tinker_required_inputs(self.loss_fn)
         for i, datum in enumerate(self.data):
             missing = [name for name in needed if name not in datum["inputs"]]
             if missing:

@@ -62,7 +62,12 @@ from trainer.spec.job import (
     EnvironmentSpec,
     TrainerSpec,
 )
-from trainer.spec.tinker import TINKER_LOSSES, TINKER_REFUSED_LOSSES, tinker_loss_error
+from trainer.spec.tinker import (
+    TINKER_LOSSES,
+    TINKER_REFUSED_LOSSES,
+    tinker_loss_error,
+    tinker_required_inputs,
+)
 
 __all__ = [
     "ENV_POOL_NAME_ENV",
@@ -71,6 +76,7 @@ __all__ = [
     "TINKER_LOSSES",
     "TINKER_REFUSED_LOSSES",
     "tinker_loss_error",
+    "tinker_required_inputs",
     "DEVICES_BY_SIZE",
     "devices_for",
     "estimate_parameters",
