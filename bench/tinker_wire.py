@@ -1,7 +1,7 @@
 """Tinker wire: the CPU a malformed `forward_backward` costs before its 400, whatever its declared shape.
 
-Each case is one body the decoder (`gateway.tinker.wire.decode_forward_backward`) refuses: hostile sparse
-shapes that would expand to millions or 2**124 numbers from a few dozen bytes, a bad column index, and
+Each case is one body the decoder (`gateway.tinker.wire_decode.decode_forward_backward`) refuses: hostile
+sparse shapes that would expand to millions or 2**124 numbers from a few dozen bytes, a bad column index, and
 the worst places for a bad value: NaN at the end of a body near the size cap (2 MiB), or in the last of the
 most data one request may carry; then bodies over the bound on protocol buffer fields (many tiny data, a
 million empty chunks, a shape of half a million dimensions), refused before they are parsed. Two
@@ -31,7 +31,7 @@ import numpy as np
 
 from bench.common import Options, cores, cpu_seconds, fmt
 from bench.stack import make_tenant, rig
-from gateway.tinker import wire
+from gateway.tinker import wire, wire_decode, wire_fields
 
 BODY_CAP = 2 * 1024 * 1024
 FLOAT32, INT64 = 1, 2
@@ -113,7 +113,7 @@ def cases() -> dict[str, tuple[bytes, str | None, str]]:
     """name -> (body, the field its 400 names or None, what it shows)."""
     big = (BODY_CAP - 1024) // 16  # one datum filling the body cap: 4 + 8 + 4 bytes a token
     weights = "data[0].loss_fn_inputs.weights"
-    most = (wire.MAX_FIELDS - 3) // 13  # the most data of 13 fields (as here) one request may hold
+    most = (wire_fields.MAX_FIELDS - 3) // 13  # the most data of 13 fields (as here) one request may hold
     last = f"data[{most - 1}].loss_fn_inputs.weights"
     bad_column = {"target_tokens": _dense(np.ones(4), INT64), "weights": _csr([1, 4], [0, 1], [9], [1.0])}
     return {
@@ -142,7 +142,7 @@ def floors() -> dict[str, tuple[bytes, str | None, str]]:
 def _decode(body: bytes) -> str | None:
     """The field the decoder names in its refusal, None when it accepts the body."""
     try:
-        wire.decode_forward_backward(body, max_numbers=BUDGET)
+        wire_decode.decode_forward_backward(body, max_numbers=BUDGET)
     except wire.WireError as exc:
         return exc.param
     return None
@@ -203,7 +203,7 @@ def run(opts: Options) -> dict[str, Any]:
         "rounds": rounds,
         "requests": requests,
         "load_average": [load_before, os.getloadavg()[0]],
-        "max_fields": wire.MAX_FIELDS,
+        "max_fields": wire_fields.MAX_FIELDS,
         "decoder": decoder,
         "gateway": gateway,
         "worst_ms": {

@@ -30,7 +30,7 @@ from gateway.ids import new_id
 from gateway.queue import enqueue
 from gateway.tenancy.keys import Principal
 from gateway.tinker import protocol as p
-from gateway.tinker import store, wire
+from gateway.tinker import store, wire, wire_decode
 from gateway.tinker.paths import (
     MAX_SEQ_ID,
     RUN_TINKER_MODEL,
@@ -267,13 +267,13 @@ async def submit(
 
 
 async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[str, Any]:
-    """Decode and check the whole request (`gateway.tinker.wire`: sizes and shapes before anything is
+    """Decode and check the whole request (`gateway.tinker.wire_decode`: sizes and shapes before anything is
     expanded, then the loss's inputs and the base model's vocabulary), so that the training process gets
     nothing it would fail on; each refusal is a 400 naming the field."""
     settings = res.settings
     limit = settings.tinker_max_numbers or settings.max_request_body_bytes // 2
     try:
-        req = wire.decode_forward_backward(body, max_numbers=limit)
+        req = wire_decode.decode_forward_backward(body, max_numbers=limit)
     except wire.WireError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
     loss_error = tinker_loss_error(req.loss_fn)
@@ -282,7 +282,7 @@ async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[
     base = (await _model(res, who, req.model_id)).base_model
     known = base in settings.base_models  # else the training process checks against its embedding
     try:
-        req.check_inputs(wire.vocabulary_size(settings.base_model_path(base)) if known else None)
+        req.check_inputs(wire_decode.vocabulary_size(settings.base_model_path(base)) if known else None)
     except wire.WireError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
     kind = "forward" if req.forward_only else "forward_backward"

@@ -1,6 +1,6 @@
-"""The Tinker wire decoder (`gateway.tinker.wire`): every malformed `forward_backward` refused, naming the
-field, before anything is expanded; the same refusals as 400s through a running gateway; and the training
-process answering what still reaches it as the caller's error.
+"""The Tinker wire decoder (`gateway.tinker.wire_decode`): every malformed `forward_backward` refused,
+naming the field, before anything is expanded; the same refusals as 400s through a running gateway; and
+the training process answering what still reaches it as the caller's error.
 
 Malformed bodies are built with the SDK's own protocol buffer classes (`tinker.proto.tinker_public_pb2`),
 well-formed ones with the SDK's encoder (`forward_backward_request_to_proto`), so the decoder is held to what
@@ -26,6 +26,8 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from gateway.tinker import wire
+from gateway.tinker.wire_decode import decode_forward_backward, vocabulary_size
+from gateway.tinker.wire_fields import MAX_FIELDS, fields_left
 from tests.support.stack import GatewayServer, Tenant
 from trainer.tiny import shipped_model_dir
 
@@ -224,7 +226,7 @@ MALFORMED: dict[str, tuple[bytes, str | None, str]] = {
 def test_each_malformed_request_is_refused_naming_the_field(case: str) -> None:
     body, param, message = MALFORMED[case]
     with pytest.raises(wire.WireError) as caught:
-        wire.decode_forward_backward(body, max_numbers=LIMIT)
+        decode_forward_backward(body, max_numbers=LIMIT)
     assert caught.value.param == param
     assert message in caught.value.message
 
@@ -235,14 +237,14 @@ def test_a_datum_without_target_tokens_or_with_an_image_is_refused() -> None:
     datum.model_input.add().encoded_text.tokens = np.asarray(TOKENS, dtype=np.int32).tobytes()
     datum.loss_fn_inputs["weights"].CopyFrom(dense([1.0] * 4))
     with pytest.raises(wire.WireError) as caught:
-        wire.decode_forward_backward(msg.SerializeToString(), max_numbers=LIMIT)
+        decode_forward_backward(msg.SerializeToString(), max_numbers=LIMIT)
     assert (caught.value.param, caught.value.message) == (
         "data[0].loss_fn_inputs",
         "data[0] has no loss_fn_input 'target_tokens'.",
     )
     datum.model_input.add().image.data = b"\x89PNG"
     with pytest.raises(wire.WireError) as caught:
-        wire.decode_forward_backward(msg.SerializeToString(), max_numbers=LIMIT)
+        decode_forward_backward(msg.SerializeToString(), max_numbers=LIMIT)
     assert caught.value.param == "data[0].model_input"
     assert caught.value.message == "Chunk 1 is image: only encoded_text chunks are supported."
 
@@ -254,7 +256,7 @@ def test_a_huge_declared_sparse_shape_costs_nothing(side: int) -> None:
     tracemalloc.start()
     try:
         with pytest.raises(wire.WireError) as caught:
-            wire.decode_forward_backward(body, max_numbers=LIMIT)
+            decode_forward_backward(body, max_numbers=LIMIT)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -280,11 +282,11 @@ def sparse_heavy(model_id: str, data: int, tokens: int, extra: int) -> bytes:
 
 def test_the_request_is_bounded_in_numbers_whatever_its_sparse_inputs_expand_to() -> None:
     body = sparse_heavy("m", data=3, tokens=100, extra=10)
-    decoded = wire.decode_forward_backward(body, max_numbers=3600)  # 3 x (100 tokens + 11 inputs of 100)
+    decoded = decode_forward_backward(body, max_numbers=3600)  # 3 x (100 tokens + 11 inputs of 100)
     assert decoded.tokens == 300 and [len(d["inputs"]) for d in decoded.data] == [11, 11, 11]
     assert decoded.data[2]["inputs"]["x09"] == [0.0] * 100
     with pytest.raises(wire.WireError) as caught:
-        wire.decode_forward_backward(body, max_numbers=3599)
+        decode_forward_backward(body, max_numbers=3599)
     assert caught.value.param == "data[2].loss_fn_inputs.x09"  # the last input counted (in name order)
     assert caught.value.message.startswith("The request decodes to more than 3599 numbers")
 
@@ -318,11 +320,11 @@ def test_fields_are_counted_on_the_raw_bytes_as_protobuf_parses_them() -> None:
     )
     bodies = [raw_body(), sdk_body([ppo, ppo], "ppo", {"clip_low_threshold": 0.7}), hostile_sparse(side=100)]
     for body in bodies:
-        left = wire._fields(body, wire.MAX_FIELDS)
-        assert wire.MAX_FIELDS - left == fields_of(pb.ForwardBackwardRequest.FromString(body))
+        left = fields_left(body, MAX_FIELDS)
+        assert MAX_FIELDS - left == fields_of(pb.ForwardBackwardRequest.FromString(body))
     # a packed shape counts a value a byte: its most (3000 takes two)
-    left = wire._fields(hostile_sparse(), wire.MAX_FIELDS)
-    assert wire.MAX_FIELDS - left == fields_of(pb.ForwardBackwardRequest.FromString(hostile_sparse())) + 2
+    left = fields_left(hostile_sparse(), MAX_FIELDS)
+    assert MAX_FIELDS - left == fields_of(pb.ForwardBackwardRequest.FromString(hostile_sparse())) + 2
 
 
 def test_a_request_of_too_many_fields_is_refused_before_it_is_parsed() -> None:
@@ -332,37 +334,37 @@ def test_a_request_of_too_many_fields_is_refused_before_it_is_parsed() -> None:
         model_input=types.ModelInput.from_ints(TOKENS),
         loss_fn_inputs={"target_tokens": TARGETS, "weights": [1.0] * 4},
     )
-    fits = (wire.MAX_FIELDS - 3) // 15  # model_id, seq_id, loss_fn; 15 fields a datum
-    decoded = wire.decode_forward_backward(sdk_body([sft] * fits), max_numbers=LIMIT)
+    fits = (MAX_FIELDS - 3) // 15  # model_id, seq_id, loss_fn; 15 fields a datum
+    decoded = decode_forward_backward(sdk_body([sft] * fits), max_numbers=LIMIT)
     assert len(decoded.data) == fits == 545
     many_chunks = pb.ForwardBackwardRequest(model_id="m", loss_fn="cross_entropy")
     datum = many_chunks.data.add()
-    for _ in range(wire.MAX_FIELDS // 2 + 1):  # a chunk and its encoded_text: two fields each
+    for _ in range(MAX_FIELDS // 2 + 1):  # a chunk and its encoded_text: two fields each
         datum.model_input.add().encoded_text.tokens = np.ones(1, dtype=np.int32).tobytes()
     wide = pb.ForwardBackwardRequest(model_id="m")  # the packed shape the body's last field
-    wide.data.add().loss_fn_inputs["target_tokens"].shape.extend([1] * wire.MAX_FIELDS)
+    wide.data.add().loss_fn_inputs["target_tokens"].shape.extend([1] * MAX_FIELDS)
     configured = pb.ForwardBackwardRequest.FromString(raw_body())
-    for k in range(wire.MAX_FIELDS):
+    for k in range(MAX_FIELDS):
         configured.loss_fn_config[f"k{k}"] = 1.0
     refused = [
         sdk_body([sft] * (fits + 1)),
         many_chunks.SerializeToString(),
         wide.SerializeToString(),
         configured.SerializeToString(),
-        b"\x1a\x00" * (wire.MAX_FIELDS + 1),  # empty data
-        b"\xf8\x07\x01" * (wire.MAX_FIELDS + 1),  # a field the schema does not have
+        b"\x1a\x00" * (MAX_FIELDS + 1),  # empty data
+        b"\xf8\x07\x01" * (MAX_FIELDS + 1),  # a field the schema does not have
     ]
     for body in refused:
         with pytest.raises(wire.WireError) as caught:
-            wire.decode_forward_backward(body, max_numbers=LIMIT)
+            decode_forward_backward(body, max_numbers=LIMIT)
         assert (caught.value.param, caught.value.message) == (
             "data",
-            f"The request holds more than {wire.MAX_FIELDS} protocol buffer fields (data, their chunks and "
+            f"The request holds more than {MAX_FIELDS} protocol buffer fields (data, their chunks and "
             "loss_fn_inputs, and what those hold); send its data in smaller forward_backward calls.",
         )
     for broken in (raw_body()[:-1], b"\x1a\x05\x0a", b"\x0b", b"\x08" + b"\xff" * 11):
         with pytest.raises(wire.WireError) as caught:
-            wire.decode_forward_backward(broken, max_numbers=LIMIT)
+            decode_forward_backward(broken, max_numbers=LIMIT)
         assert caught.value.param is None
         assert caught.value.message.startswith("The body is not a ForwardBackwardRequest")
 
@@ -384,7 +386,7 @@ def test_what_the_sdk_sends_decodes_to_one_entry_per_token() -> None:
             "logprobs": [-1.0] * 4,
         },
     )
-    decoded = wire.decode_forward_backward(
+    decoded = decode_forward_backward(
         sdk_body([sparse, plain], "ppo", {"clip_low_threshold": 0.7}), max_numbers=LIMIT
     )
     assert (decoded.model_id, decoded.seq_id, decoded.loss_fn, decoded.forward_only) == ("m", 1, "ppo", False)
@@ -411,14 +413,14 @@ def test_inputs_are_checked_against_the_loss_and_the_vocabulary() -> None:
     plain = types.Datum(
         model_input=types.ModelInput.from_ints(TOKENS), loss_fn_inputs={"target_tokens": TARGETS}
     )
-    decoded = wire.decode_forward_backward(sdk_body([plain, plain], "importance_sampling"), max_numbers=LIMIT)
+    decoded = decode_forward_backward(sdk_body([plain, plain], "importance_sampling"), max_numbers=LIMIT)
     with pytest.raises(wire.WireError) as caught:
         decoded.check_inputs(None)
     assert (caught.value.param, caught.value.message) == (
         "data[0].loss_fn_inputs",
         "The loss 'importance_sampling' needs the loss_fn_input 'logprobs'; data[0] has none.",
     )
-    decoded = wire.decode_forward_backward(sdk_body([plain, plain]), max_numbers=LIMIT)
+    decoded = decode_forward_backward(sdk_body([plain, plain]), max_numbers=LIMIT)
     decoded.check_inputs(43)  # ids up to 42
     decoded.check_inputs(None)
     with pytest.raises(wire.WireError) as caught:
@@ -433,15 +435,15 @@ def test_inputs_are_checked_against_the_loss_and_the_vocabulary() -> None:
     late = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 99]}
     )
-    decoded = wire.decode_forward_backward(sdk_body([plain, late]), max_numbers=LIMIT)
+    decoded = decode_forward_backward(sdk_body([plain, late]), max_numbers=LIMIT)
     with pytest.raises(wire.WireError) as caught:
         decoded.check_inputs(50)
     assert caught.value.param == "data[1].loss_fn_inputs.target_tokens"
     assert (
-        wire.vocabulary_size(shipped_model_dir())
+        vocabulary_size(shipped_model_dir())
         == json.loads((shipped_model_dir() / "config.json").read_text())["vocab_size"]
     )
-    assert wire.vocabulary_size(shipped_model_dir() / "missing") is None
+    assert vocabulary_size(shipped_model_dir() / "missing") is None
 
 
 # ------------------------------------------------------------------------------------- the training process
@@ -449,7 +451,7 @@ def test_the_training_process_answers_bad_data_as_the_callers_error() -> None:
     """What a gateway that does not know the vocabulary (or an older queued payload) lets through."""
     from trainer.tinker_session import serve
 
-    vocab = wire.vocabulary_size(shipped_model_dir())
+    vocab = vocabulary_size(shipped_model_dir())
     assert vocab is not None
 
     def fb(
@@ -574,7 +576,7 @@ def test_many_sparse_inputs_are_bounded(stack: GatewayServer, api: httpx.Client,
 def test_the_sdk_gets_a_bad_request_for_nan_and_out_of_vocabulary_ids(
     stack: GatewayServer, tenant: Tenant
 ) -> None:
-    vocab = wire.vocabulary_size(stack.settings.base_model_path("tiny-chat"))
+    vocab = vocabulary_size(stack.settings.base_model_path("tiny-chat"))
     assert vocab is not None
     with tinker.ServiceClient(base_url=stack.url, api_key="tml-" + tenant.key) as service:
         tc = service.create_lora_training_client(base_model="tiny-chat", rank=4)
