@@ -31,9 +31,10 @@ class BaseModelConfig(BaseModel):
     owned_by: str = "tunegate"
     """What `/v1/models` reports as the owner."""
     context_length: int | None = Field(default=None, ge=1)
-    """Most tokens one request may ask the model to generate (`max_tokens`, `max_completion_tokens`); more
-    is refused with 400. Unset: the `max_position_embeddings` of the model's `config.json` where the gateway
-    can read it, else 1048576."""
+    """Most tokens of one request to the model: `max_tokens` / `max_completion_tokens` above it, and a prompt
+    that cannot fit it by its length alone, are refused with 400. Unset: the `max_position_embeddings` of
+    the model's `config.json` where the gateway can read it, held to `engine_max_model_len`; else
+    `engine_max_model_len`, else 1048576."""
 
 
 LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -93,10 +94,12 @@ class Settings(BaseSettings):
     `engine_max_loras`. The embedded engine has no such second tier."""
     engine_max_lora_rank: int = 64
     """vLLM reserves memory for adapters up to this rank and refuses a higher one (`--max-lora-rank`: 8, 16,
-    32, 64, 128, 256, 320 or 512). The embedded engine loads any rank."""
+    32, 64, 128, 256, 320 or 512). The gateway refuses an adapter of higher rank itself, on either engine
+    (the embedded engine would load any rank)."""
     engine_max_model_len: int | None = Field(default=None, ge=1)
-    """vLLM: most tokens of prompt and completion in one request (`--max-model-len`); unset: the model's
-    own context. The embedded engine always uses the model's own."""
+    """Most tokens of prompt and completion in one request (vLLM's and the embedded engine's
+    `--max-model-len`), where the model's own context is longer; the gateway holds requests to it too.
+    Unset: the model's own context."""
     engine_kv_cache_gib: float | None = Field(default=None, gt=0)
     """vLLM's KV cache, in GiB (`--kv-cache-memory-bytes`); unset: 1 GiB on CPUs (unsized, vLLM takes a
     share of the machine's free memory), vLLM's own share of GPU memory on GPUs."""

@@ -17,13 +17,16 @@ def serve(
     max_batch_size: int = 16,
     device: str = "auto",
     log_level: str = "info",
+    max_model_len: int | None = None,
 ) -> None:
     """Serve ``models`` (name -> local directory) over HTTP until interrupted."""
     import uvicorn
 
     from inference.server import create_app
 
-    app = create_app(models, max_loras=max_loras, max_batch_size=max_batch_size, device=device)
+    app = create_app(
+        models, max_loras=max_loras, max_batch_size=max_batch_size, device=device, max_model_len=max_model_len
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
@@ -48,6 +51,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-loras", type=int, default=8, help="resident adapters per base model")
     parser.add_argument("--max-batch-size", type=int, default=16, help="rows in one batched generation")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1...")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="most tokens of prompt and completion in one request (default: each model's own context)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
@@ -65,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         max_batch_size=args.max_batch_size,
         device=args.device,
         log_level=args.log_level,
+        max_model_len=args.max_model_len,
     )
 
 

@@ -64,6 +64,7 @@ class ModelEngine(BatchGeneration):
         batch_window_s: float = 0.005,
         max_concurrent_batches: int = 4,
         default_max_tokens: int = 1024,
+        max_model_len: int | None = None,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,7 +88,12 @@ class ModelEngine(BatchGeneration):
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.host = LoraHost(model)
         self.registry = AdapterRegistry(max_loras)
-        self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError("max_model_len must be at least 1")
+        own = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.max_context = min(own, max_model_len) if max_model_len is not None else own
+        """Most tokens of prompt and completion in one request: the model's own context, or ``max_model_len``
+        when that is less (as vLLM's ``--max-model-len``)."""
         self.longest_token_chars = _longest_token_chars(self.tokenizer)
         self.max_prompt_chars = self.max_context * self.longest_token_chars
         """No prompt longer than this fits the context: each token stands for at most

@@ -159,8 +159,10 @@ def create_app(
     batch_window_s: float = 0.005,
     max_concurrent_batches: int = 4,
     default_max_tokens: int = 1024,
+    max_model_len: int | None = None,
 ) -> FastAPI:
-    """The engine app serving ``models`` (name -> local Hugging Face directory)."""
+    """The engine app serving ``models`` (name -> local Hugging Face directory), each held to
+    ``max_model_len`` tokens of prompt and completion when that is less than its own context."""
     if not models:
         raise ValueError("at least one base model is required")
     engines = {
@@ -173,6 +175,7 @@ def create_app(
             batch_window_s=batch_window_s,
             max_concurrent_batches=max_concurrent_batches,
             default_max_tokens=default_max_tokens,
+            max_model_len=max_model_len,
         )
         for name, path in models.items()
     }

@@ -338,6 +338,7 @@ class EngineProcess(Process):
         device: str | None = None,
         log_level: str | None = None,
         max_loras: int | None = None,
+        max_model_len: int | None = None,
         launcher: Sequence[str] = (),
         cwd: Path | None = None,
         die_with_parent: bool = False,
@@ -350,6 +351,8 @@ class EngineProcess(Process):
             argv += ["--device", device]
         if max_loras is not None:
             argv += ["--max-loras", str(max_loras)]
+        if max_model_len is not None:
+            argv += ["--max-model-len", str(max_model_len)]
         if log_level is not None:
             argv += ["--log-level", log_level]
         super().__init__(argv, log_path, name="engine", cwd=cwd, die_with_parent=die_with_parent)

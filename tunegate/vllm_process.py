@@ -142,6 +142,7 @@ def engine_processes(
             settings.engine_port,
             log,
             max_loras=settings.engine_max_loras,
+            max_model_len=settings.engine_max_model_len,
             die_with_parent=die_with_parent,
         )
         return EngineChoice("embedded", [embedded], {n: embedded.url for n in models}, reason)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import orjson
 
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.serving.engine_client import EngineClient, make_client
@@ -39,9 +40,31 @@ DEFAULT_CONTEXT_LENGTH = 1_048_576
 read (the engines live elsewhere): generous, so only absurd `max_tokens` values are refused for it."""
 
 
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the gateway holds requests for one base model to before any engine sees them, so that a request
+    that cannot fit is refused the same way whichever engine serves the model."""
+
+    context_length: int
+    """Most tokens of prompt and completion in one request (`read_context_length`)."""
+    longest_token_chars: int | None = None
+    """Characters of the longest token of the model's vocabulary (`read_longest_token_chars`); None when the
+    gateway cannot read the tokenizer."""
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """No prompt of more characters fits the context: each token stands for at most
+        `longest_token_chars` of them (the bound the engines apply too, before tokenizing)."""
+        if self.longest_token_chars is None:
+            return None
+        return self.context_length * self.longest_token_chars
+
+
 def read_context_length(settings: Settings, base_model: str) -> int:
-    """The context length of a base model: its `context_length` setting, else the `max_position_embeddings`
-    of its `config.json`, else `DEFAULT_CONTEXT_LENGTH`."""
+    """The context length of a base model: its `context_length` setting; else the `max_position_embeddings`
+    of its `config.json`, held to `engine_max_model_len` when that is set (the engines `tunegate up` starts
+    are started with it: vLLM's `--max-model-len`, the embedded engine's); else `engine_max_model_len`;
+    else `DEFAULT_CONTEXT_LENGTH`."""
     entry = settings.base_models[base_model]
     if entry.context_length is not None:
         return entry.context_length
@@ -50,7 +73,38 @@ def read_context_length(settings: Settings, base_model: str) -> int:
         value = config.get("max_position_embeddings")
     except (OSError, ValueError, AttributeError):
         value = None
-    return value if type(value) is int and value > 0 else DEFAULT_CONTEXT_LENGTH
+    own = value if type(value) is int and value > 0 else None
+    cap = settings.engine_max_model_len
+    if own is not None and cap is not None:
+        return min(own, cap)
+    return own or cap or DEFAULT_CONTEXT_LENGTH
+
+
+def read_longest_token_chars(settings: Settings, base_model: str) -> int | None:
+    """Characters of the longest token in the `tokenizer.json` of a base model (its vocabulary and its added
+    tokens, as written there: one character a byte for byte-level BPE), as vLLM measures it for its own
+    bound; None when the file cannot be read here."""
+    try:
+        data = orjson.loads((settings.base_model_path(base_model) / "tokenizer.json").read_bytes())
+        model = data["model"]
+        vocab = model["vocab"]
+        pieces = (
+            list(vocab)
+            if isinstance(vocab, dict)
+            else [item[0] for item in vocab if isinstance(item, list) and item]
+        )
+        pieces += [t["content"] for t in data.get("added_tokens") or [] if isinstance(t, dict)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    longest = max((len(p) for p in pieces if isinstance(p, str)), default=0)
+    return longest or None
+
+
+def read_limits(settings: Settings, base_model: str) -> ModelLimits:
+    """The `ModelLimits` of a base model, read from its settings and files."""
+    return ModelLimits(
+        read_context_length(settings, base_model), read_longest_token_chars(settings, base_model)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +275,7 @@ class UpstreamPool:
 
 
 class Engines:
-    """The gateway's engines: one `UpstreamPool` per base model, the adapters each holds, context lengths.
+    """The gateway's engines: one `UpstreamPool` per base model, the adapters each holds, the models' limits.
     Made in the lifespan, closed with `aclose()`."""
 
     def __init__(self, settings: Settings, loader: AdapterLoader | None = None) -> None:
@@ -229,18 +283,19 @@ class Engines:
         self.loader = loader if loader is not None else AdapterLoader(settings)
         self.pools = {name: UpstreamPool(name, urls) for name, urls in self.loader.urls.items()}
         self._loads: SingleFlight[tuple[str, str], None] = SingleFlight()
-        self._context: dict[str, int] = {}
+        self._limits = {name: read_limits(settings, name) for name in settings.base_models}
+        """Read once, here, off the request path (a tokenizer's vocabulary may be megabytes)."""
 
     @property
     def load_count(self) -> int:
         """Adapter loads actually sent to engines (single-flight makes concurrent misses one load)."""
         return self.loader.load_count
 
-    def context_length(self, base_model: str) -> int:
-        """Most tokens a request to `base_model` may ask for (`read_context_length`, read once)."""
-        known = self._context.get(base_model)
+    def limits(self, base_model: str) -> ModelLimits:
+        """What requests to `base_model` are held to (`read_limits`)."""
+        known = self._limits.get(base_model)
         if known is None:
-            known = self._context[base_model] = read_context_length(self.settings, base_model)
+            known = self._limits[base_model] = read_limits(self.settings, base_model)
         return known
 
     def pool_for(self, base_model: str) -> UpstreamPool:

@@ -7,7 +7,8 @@ OpenAI parameter the engine supports (tools, logprobs, n, stop, seed, ...) works
 
 A few top-level fields the gateway itself relies on are checked on the way (a handful of dictionary lookups):
 `model` (a string without NUL), and the integers `max_tokens` / `max_completion_tokens` (also against the
-model's context, once the model is known: `check_max_tokens`), `n` and `seed`. A body orjson refuses is
+model's context, once the model is known: `check_max_tokens`), `n` and `seed`; and, once the model is known,
+a prompt that cannot fit its context by its length alone (`check_prompt`). A body orjson refuses is
 handed to `gateway.wire.diagnose`, which names the field at fault (NaN, Infinity, huge numbers, unpaired
 surrogates, deep nesting), so that costs nothing while bodies are well formed.
 """
@@ -108,6 +109,39 @@ class ProxyRequest:
                 code="invalid_value",
             )
 
+    def check_prompt(self, context_length: int, max_prompt_chars: int | None, param: str) -> None:
+        """A 400 `context_length_exceeded` naming `param` (`messages` or `prompt`) for a prompt that cannot
+        fit the model's context, told without a tokenizer: text of more than `max_prompt_chars` characters
+        (None: unknown, not checked), or token ids that leave no room for one more. The text counted is the
+        messages' own, which the chat template only adds to; each prompt of a batch is one request. The
+        engines refuse the rest, as `engine_errors` maps it."""
+        if param == "messages":
+            messages = self.body.get("messages")
+            texts = [_content_chars(m) for m in messages] if isinstance(messages, list) else []
+            self._check_chars(sum(texts), context_length, max_prompt_chars, param)
+            return
+        prompt = self.body.get("prompt")
+        items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        for item in items:
+            if isinstance(item, str):
+                self._check_chars(len(item), context_length, max_prompt_chars, param)
+            elif isinstance(item, list) and len(item) >= context_length:
+                raise InvalidRequest(
+                    f"The prompt has {len(item)} tokens; this model's context is {context_length}.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+
+    @staticmethod
+    def _check_chars(chars: int, context_length: int, most: int | None, param: str) -> None:
+        if most is not None and chars > most:
+            raise InvalidRequest(
+                f"The prompt is {chars} characters; this model's context of {context_length} tokens holds at "
+                f"most {most} characters.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def upstream_body(self, engine_model: str) -> bytes:
         """The body for the engine: `model` rewritten; streams always ask for usage (for metering)."""
         body = dict(self.body)
@@ -118,6 +152,16 @@ class ProxyRequest:
             options["include_usage"] = True
             body["stream_options"] = options
         return orjson.dumps(body)
+
+
+def _content_chars(message: Any) -> int:
+    """Characters of a chat message's text (a string, or the `text` of its parts)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
 
 
 def rewrite_response(raw: bytes, model: str) -> tuple[bytes, dict[str, Any] | None]:

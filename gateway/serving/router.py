@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.deps import Resources
 from gateway.errors import as_api_error, error_response
 from gateway.serving import service
+from gateway.serving.engine_errors import prompt_param
 from gateway.serving.protocol import ProxyRequest
 from gateway.tenancy.keys import bearer_token
 
@@ -98,7 +99,9 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
         proxy = ProxyRequest.parse(body)
         target = await service.resolve(res, who, proxy.model)
-        proxy.check_max_tokens(res.engines.context_length(target.base_model))
+        limits = res.engines.limits(target.base_model)
+        proxy.check_max_tokens(limits.context_length)
+        proxy.check_prompt(limits.context_length, limits.max_prompt_chars, prompt_param(scope["path"]))
         if proxy.stream:
             await service.stream(res, tracked_send, who, scope["path"], proxy, target)
         else:

@@ -52,7 +52,8 @@ class RunningServer:
         self.running.stop()
 
 
-def _start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
+def start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
+    """The embedded engine serving `models`, `kwargs` passed to `inference.server.create_app`."""
     import uvicorn
 
     from inference.server import create_app
@@ -65,7 +66,7 @@ def _start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
 @pytest.fixture(scope="session")
 def engine_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
     """One shared engine serving the tiny model as ``tiny-chat`` (max_loras=4)."""
-    running = _start_server({MODEL_NAME: str(tiny_model_dir)}, max_loras=4)
+    running = start_server({MODEL_NAME: str(tiny_model_dir)}, max_loras=4)
     yield running
     running.close()
 
@@ -76,7 +77,7 @@ def server_factory(tiny_model_dir: Path) -> Iterator[Callable[..., RunningServer
     started: list[RunningServer] = []
 
     def start(**kwargs: Any) -> RunningServer:
-        running = _start_server({MODEL_NAME: str(tiny_model_dir)}, **kwargs)
+        running = start_server({MODEL_NAME: str(tiny_model_dir)}, **kwargs)
         started.append(running)
         return running
 

@@ -30,7 +30,7 @@ import pytest
 
 from gateway.settings import BaseModelConfig, Settings
 from inference.vllm import VllmUnavailable
-from tests.inference.conftest import VLLM_MAX_LORA_RANK, RunningServer
+from tests.inference.conftest import VLLM_MAX_LORA_RANK, VLLM_MAX_MODEL_LEN, RunningServer, start_server
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import make_lora_adapter, register_model, resources_of
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
@@ -42,13 +42,32 @@ pytestmark = pytest.mark.timeout(900)  # vLLM's start: three processes import to
 UNSERVED = "other-chat"
 """A base model the gateway routes to the engine, which serves no model of that name."""
 LONG_PROMPT: Any = [{"role": "user", "content": "a b " * 1100}]
-"""2229 tokens of tiny-chat with its chat template: over the embedded engine's context (the model's 2048)
-and the test vLLM's `--max-model-len` (1024), under what the gateway's own estimate refuses."""
+"""2229 tokens of tiny-chat with its chat template (4400 characters): over both engines' context (1024 here;
+the model's own is 2048), but under the 13312 characters 1024 tokens of tiny-chat can hold, so only an
+engine, which tokenizes it, can tell."""
+TOO_LONG = "x" * 20_000
+"""More characters than 1024 tokens of tiny-chat can hold (13 characters its longest token): a gateway that
+knows the context refuses it by its length alone."""
 
 
 GATEWAYS = ("embedded", "vllm", "vllm-unsized")
-"""The gateways of this module: one on each engine, sized as the engines are (`engine_max_lora_rank`), and
-one on vLLM that knows nothing of its sizes, as a gateway in front of an engine it did not start."""
+"""The gateways of this module: one on each engine, sized as the engines are (`engine_max_model_len`,
+`engine_max_lora_rank`), and one on vLLM that knows nothing of its sizes, as a gateway in front of an
+engine it did not start."""
+SIZES: dict[str, Any] = {
+    "engine_max_model_len": VLLM_MAX_MODEL_LEN,
+    "engine_max_lora_rank": VLLM_MAX_LORA_RANK,
+}
+"""The settings of the sized gateways: what `tunegate up` starts both engines with."""
+
+
+@pytest.fixture(scope="module")
+def embedded_sized(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    """The embedded engine held to vLLM's `--max-model-len`, as `tunegate up` starts it with
+    `engine_max_model_len`."""
+    running = start_server({BASE: str(tiny_model_dir)}, max_loras=4, max_model_len=VLLM_MAX_MODEL_LEN)
+    yield running
+    running.close()
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +76,15 @@ def gateways(
     database: str,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    engine_server: RunningServer,
+    embedded_sized: RunningServer,
     vllm_server: VllmEngineProcess,
 ) -> Iterator[dict[str, GatewayServer]]:
     """The `GATEWAYS`, `tiny-chat` and `other-chat` both routed to their engine."""
     started: dict[str, GatewayServer] = {}
-    urls = {"embedded": engine_server.url, "vllm": vllm_server.url, "vllm-unsized": vllm_server.url}
+    urls = {"embedded": embedded_sized.url, "vllm": vllm_server.url, "vllm-unsized": vllm_server.url}
     try:
         for name in GATEWAYS:
-            sized: dict[str, Any] = {}
-            if name != "vllm-unsized":
-                sized = {"engine_max_lora_rank": VLLM_MAX_LORA_RANK}
+            sized = SIZES if name != "vllm-unsized" else {}
             settings = make_settings(
                 data_dir=tmp_path_factory.mktemp(f"{name}-gw"),
                 database_url=database,
@@ -137,8 +154,8 @@ LONG_TEXT = "a b " * 1100
 """2200 tokens of tiny-chat as a completion's prompt (2201 with the BOS token the embedded engine adds)."""
 CONTEXT_MESSAGES = {
     "embedded": {
-        "messages": "The prompt has 2229 tokens; this model's context is 2048.",
-        "prompt": "The prompt has 2201 tokens; this model's context is 2048.",
+        "messages": "The prompt has 2229 tokens; this model's context is 1024.",
+        "prompt": "The prompt has 2201 tokens; this model's context is 1024.",
     },
     "vllm": {
         field: "This model's maximum context length is 1024 tokens. However, your prompt contains at least"
@@ -172,6 +189,80 @@ def test_prompt_over_the_context_is_context_length_exceeded(
                 "code": "context_length_exceeded",
             },
         )
+
+
+def _context_error(message: str, param: str) -> tuple[int, dict[str, Any]]:
+    return (
+        400,
+        {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "context_length_exceeded",
+        },
+    )
+
+
+@pytest.mark.parametrize("engine", ["embedded", "vllm"])
+def test_gateway_holds_requests_to_engine_max_model_len(
+    gateways: dict[str, GatewayServer], engine: str
+) -> None:
+    """With `engine_max_model_len` the gateway's context is the engines' (1024, not the model's own 2048):
+    it refuses, with its own words and before any engine, `max_tokens` beyond it, text that cannot fit by
+    its length alone and token ids that leave no room; the same answers on both engines."""
+    org = _tenant(gateways[engine])
+    refusals = []
+    for call in (
+        lambda: org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1500),
+        lambda: org.client.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": TOO_LONG}], max_tokens=4, stream=True
+        ),
+        lambda: org.client.completions.create(model=BASE, prompt=["hi", TOO_LONG], max_tokens=4),
+        lambda: org.client.completions.create(model=BASE, prompt=[1] * VLLM_MAX_MODEL_LEN, max_tokens=4),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        refusals.append(_error(info.value))
+    most = 13 * VLLM_MAX_MODEL_LEN
+    assert refusals == [
+        (
+            400,
+            {
+                "message": "Invalid value for 'max_tokens': 1500 is more than the 1024 tokens of model"
+                " 'tiny-chat'.",
+                "type": "invalid_request_error",
+                "param": "max_tokens",
+                "code": "invalid_value",
+            },
+        ),
+        _context_error(
+            f"The prompt is 20000 characters; this model's context of 1024 tokens holds at most {most}"
+            " characters.",
+            "messages",
+        ),
+        _context_error(
+            f"The prompt is 20000 characters; this model's context of 1024 tokens holds at most {most}"
+            " characters.",
+            "prompt",
+        ),
+        _context_error("The prompt has 1024 tokens; this model's context is 1024.", "prompt"),
+    ]
+
+
+def test_vllms_bound_on_characters_through_a_gateway_that_does_not_know_the_context(
+    gateways: dict[str, GatewayServer],
+) -> None:
+    """A gateway in front of a vLLM whose `--max-model-len` it does not know lets the text through; vLLM
+    refuses it by its characters (`param: "input_text"`), answered as `context_length_exceeded` too."""
+    org = _tenant(gateways["vllm-unsized"])
+    with pytest.raises(openai.BadRequestError) as info:
+        org.client.completions.create(model=BASE, prompt=TOO_LONG, max_tokens=4)
+    assert _error(info.value) == _context_error(
+        "This model's maximum context length is 1024 tokens. However, your prompt contains 20000 characters"
+        " (more than 13312 characters, which is the upper bound for 1024 input tokens). Please reduce the"
+        " length of the input prompt.",
+        "prompt",
+    )
 
 
 @pytest.mark.parametrize("engine", ["embedded", "vllm"])
@@ -334,7 +425,11 @@ def _engine_settings(tmp_path: Path, **values: Any) -> Settings:
 
 def test_auto_falls_back_to_the_embedded_engine_and_says_why(tmp_path: Path, tiny_model_dir: Path) -> None:
     settings = _engine_settings(
-        tmp_path, engine="auto", engine_vllm_venv=tmp_path / "none", engine_max_loras=3
+        tmp_path,
+        engine="auto",
+        engine_vllm_venv=tmp_path / "none",
+        engine_max_loras=3,
+        engine_max_model_len=512,
     )
     choice = engine_processes(settings, {BASE: str(tiny_model_dir)}, die_with_parent=False)
     try:
@@ -347,6 +442,7 @@ def test_auto_falls_back_to_the_embedded_engine_and_says_why(tmp_path: Path, tin
         assert isinstance(process, EngineProcess)
         assert choice.served_by == {BASE: f"http://127.0.0.1:{settings.engine_port}"}
         assert process.argv[process.argv.index("--max-loras") + 1] == "3"
+        assert process.argv[process.argv.index("--max-model-len") + 1] == "512"
     finally:
         for process in choice.processes:
             process.stop()
