@@ -4,7 +4,7 @@ The worker's `take_work` (`gateway.worker.main`) claims a model waiting for a ho
 same devices, the same fairness across organisations) and runs a `Holder`, which starts
 `python -m trainer.tinker_session` (it dies with the worker) and answers the model's requests one at a time
 in `seq` order, writing each result to its row. While it holds the model it beats; a model whose holder
-stops beating for `stale_after_s` is lost (`gateway.tinker.service` fails its requests, so the SDK raises
+stops beating for `stale_after_s` is lost (`gateway.tinker.futures` fails its requests, so the SDK raises
 instead of waiting). A model idle for `tinker_idle_timeout_s`, or with no open request once its session's
 client reported it finished, is saved (adapter and optimizer) and let go; its next request starts a
 process that loads that state first. A model does not keep the slot from others: once it has held it for

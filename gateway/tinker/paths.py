@@ -4,7 +4,7 @@ served model ids -- and the one policy for the ids a client names.
 A session id is minted by this server (`ts-` and 24 letters and digits). A training model's id is
 `<session id>:train:<model seq id>` and a sampling session's `<session id>:sample:<seq id>`, the ids the SDK
 itself derives; the session must be one of the caller's organisation's own (checked by
-`gateway.tinker.service`), so every id is made of a value this server minted and a number, and no
+`gateway.tinker.owned`), so every id is made of a value this server minted and a number, and no
 organisation can name, or take, an id in another's session. Checkpoints are
 `tinker://<model id>/weights/<name>` (training state) and `tinker://<model id>/sampler_weights/<name>` (an
 adapter to sample from); a sampler checkpoint is also the OpenAI model

@@ -1,7 +1,7 @@
 """The JSON shapes of the Tinker API, as the official SDK (`tinker` 0.38) sends and reads them.
 
 Requests accept fields this server does not use (`extra="allow"`), so a newer SDK's additions do not break
-it. `forward_backward` is not here: it arrives as a protocol buffer (`gateway.tinker.wire`).
+it. `forward_backward` is not here: it arrives as a protocol buffer (`gateway.tinker.wire_decode`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from gateway.deps import ResourcesDep, authenticate_person
 from gateway.errors import AuthenticationFailed
 from gateway.tenancy.keys import Principal
+from gateway.tinker import futures, rest, sampling, service, training
 from gateway.tinker import protocol as p
-from gateway.tinker import service
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -96,65 +96,65 @@ async def finish_session(
 
 @router.post("/create_model")
 async def create_model(res: ResourcesDep, who: CallerDep, body: p.CreateModelRequest) -> dict[str, Any]:
-    return await service.create_model(res, who.principal, body)
+    return await training.create_model(res, who.principal, body)
 
 
 @router.post("/get_info")
 async def get_info(res: ResourcesDep, who: CallerDep, body: p.ModelRef) -> dict[str, Any]:
-    return await service.get_info(res, who.principal, body.model_id)
+    return await training.get_info(res, who.principal, body.model_id)
 
 
 @router.post("/forward_backward")
 async def forward_backward(res: ResourcesDep, who: CallerDep, request: Request) -> dict[str, Any]:
-    return await service.forward_backward(res, who.principal, await request.body())
+    return await training.forward_backward(res, who.principal, await request.body())
 
 
 @router.post("/optim_step")
 async def optim_step(res: ResourcesDep, who: CallerDep, body: p.OptimStepRequest) -> dict[str, Any]:
-    return await service.optim_step(res, who.principal, body)
+    return await training.optim_step(res, who.principal, body)
 
 
 @router.post("/save_weights")
 async def save_weights(res: ResourcesDep, who: CallerDep, body: p.SaveWeightsRequest) -> dict[str, Any]:
-    return await service.save_weights(res, who.principal, body)
+    return await training.save_weights(res, who.principal, body)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_for_sampler(res: ResourcesDep, who: CallerDep, body: p.SaveWeightsRequest) -> dict[str, Any]:
-    return await service.save_for_sampler(res, who.principal, body)
+    return await training.save_for_sampler(res, who.principal, body)
 
 
 @router.post("/load_weights")
 async def load_weights(res: ResourcesDep, who: CallerDep, body: p.LoadWeightsRequest) -> dict[str, Any]:
-    return await service.load_weights(res, who.principal, body)
+    return await training.load_weights(res, who.principal, body)
 
 
 @router.post("/create_sampling_session")
 async def create_sampler(
     res: ResourcesDep, who: CallerDep, body: p.CreateSamplingSessionRequest
 ) -> dict[str, Any]:
-    return await service.create_sampler(res, who.principal, body)
+    return await sampling.create_sampler(res, who.principal, body)
 
 
 @router.get("/samplers/{sampler_id}")
 async def get_sampler(res: ResourcesDep, who: CallerDep, sampler_id: str) -> dict[str, Any]:
-    return await service.get_sampler(res, who.principal, sampler_id)
+    return await sampling.get_sampler(res, who.principal, sampler_id)
 
 
 @router.post("/asample")
 async def asample(res: ResourcesDep, who: CallerDep, body: p.SampleRequest) -> dict[str, Any]:
-    return await service.sample(res, who.principal, who.key, body)
+    return await sampling.sample(res, who.principal, who.key, body)
 
 
 @router.post("/retrieve_future")
 async def retrieve_future(res: ResourcesDep, who: CallerDep, body: p.FutureRetrieveRequest) -> Response:
-    content, media_type = await service.retrieve(res, who.principal, body.request_id)
+    content, media_type = await futures.retrieve(res, who.principal, body.request_id)
     return Response(content, media_type=media_type)
 
 
 @router.post("/cancel_future")
 async def cancel_future(res: ResourcesDep, who: CallerDep, body: p.FutureRetrieveRequest) -> dict[str, Any]:
-    return await service.cancel(res, who.principal, body.request_id)
+    return await futures.cancel(res, who.principal, body.request_id)
 
 
 @router.get("/training_runs")
@@ -164,24 +164,24 @@ async def training_runs(
     limit: int = Query(20, ge=1, le=1000),
     offset: int = Query(0, ge=0, le=MAX_OFFSET),
 ) -> dict[str, Any]:
-    return await service.training_runs(res, who.principal, limit, offset)
+    return await rest.training_runs(res, who.principal, limit, offset)
 
 
 @router.get("/training_runs/{model_id}")
 async def training_run(res: ResourcesDep, who: CallerDep, model_id: str) -> dict[str, Any]:
-    return await service.training_run(res, who.principal, model_id)
+    return await rest.training_run(res, who.principal, model_id)
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
 async def run_checkpoints(res: ResourcesDep, who: CallerDep, model_id: str) -> dict[str, Any]:
-    return await service.list_checkpoints(res, who.principal, model_id)
+    return await rest.list_checkpoints(res, who.principal, model_id)
 
 
 @router.get("/checkpoints")
 async def checkpoints(res: ResourcesDep, who: CallerDep) -> dict[str, Any]:
-    return await service.list_checkpoints(res, who.principal, None)
+    return await rest.list_checkpoints(res, who.principal, None)
 
 
 @router.post("/weights_info")
 async def weights_info(res: ResourcesDep, who: CallerDep, body: p.WeightsInfoRequest) -> dict[str, Any]:
-    return await service.weights_info(res, who.principal, body.tinker_path)
+    return await rest.weights_info(res, who.principal, body.tinker_path)

@@ -1,0 +1,202 @@
+"""Training models and their requests (the SDK's `TrainingClient`): create_model, get_info, forward and
+forward_backward, optim_step, saving and loading weights.
+
+A training request is a row of `tinker_requests`, answered in order by the worker holding the model
+(`gateway.tinker.holder`); this side checks it, inserts it and wakes a worker when none holds the model. Its
+answer is read back through `retrieve_future` (`gateway.tinker.futures`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from gateway.deps import Resources
+from gateway.errors import BudgetSpent, InsufficientQuota, InvalidRequest
+from gateway.ids import new_id
+from gateway.queue import enqueue
+from gateway.tenancy.keys import Principal
+from gateway.tinker import owned, store, wire, wire_decode
+from gateway.tinker import protocol as p
+from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, sampler_id_of, valid_name
+from trainer.spec import tinker_loss_error
+
+
+async def _done_future(
+    res: Resources, who: Principal, kind: str, result: dict[str, Any], model_id: str
+) -> dict:
+    request_id = new_id("tr-")
+    await store.add_request(
+        res.pool, request_id=request_id, org_id=who.organization_id, model_id=None, kind=kind, payload={}
+    )
+    await store.finish(res.pool, request_id=request_id, result=orjson.dumps(result))
+    return {"request_id": request_id, "model_id": model_id}
+
+
+async def create_model(res: Resources, who: Principal, body: p.CreateModelRequest) -> dict[str, Any]:
+    owned.known_base(res, body.base_model)
+    lora = body.lora_config or p.LoraConfig()
+    if not (lora.train_attn or lora.train_mlp):
+        raise InvalidRequest("Enable train_attn or train_mlp: this server trains no other layers.")
+    config = {
+        "rank": lora.rank,
+        "seed": lora.seed,
+        "train_attn": lora.train_attn,
+        "train_mlp": lora.train_mlp,
+    }
+    model_id = await _new_model(
+        res, who, body.session_id, body.model_seq_id, base_model=body.base_model, rank=lora.rank,
+        lora_config=config, metadata=body.user_metadata,
+    )  # fmt: skip
+    return await _done_future(
+        res, who, "create_model", {"model_id": model_id, "type": "create_model"}, model_id
+    )
+
+
+async def _new_model(
+    res: Resources,
+    who: Principal,
+    session_id: str,
+    model_seq_id: int,
+    *,
+    base_model: str,
+    rank: int,
+    lora_config: dict[str, Any],
+    metadata: object,
+) -> str:
+    """Record the training model `model_seq_id` of the caller's session `session_id`; its id."""
+    owned.seq_id(model_seq_id, "model_seq_id")
+    await owned.own_session(res, who, session_id)
+    model_id = model_id_of(session_id, model_seq_id)
+    row = await store.create_model(
+        res.pool, model_id=model_id, org_id=who.organization_id, key_id=who.api_key_id,
+        session_id=session_id, base_model=base_model, rank=rank, lora_config=lora_config, metadata=metadata,
+    )  # fmt: skip
+    if row is None:
+        raise owned.taken("model", model_id, "model_seq_id")
+    return model_id
+
+
+async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, Any]:
+    row = await owned.model(res, who, model_id)
+    base = row.base_model
+    return {
+        "type": "get_info",
+        "model_id": model_id,
+        "model_data": p.model_data(base, res.settings.tokenizer_of(base)),
+        "is_lora": True,
+        "lora_rank": row.lora_rank,
+        "model_name": base,
+    }
+
+
+async def submit(
+    res: Resources, who: Principal, model_id: str, kind: str, payload: dict[str, Any], *, tokens: int = 0
+) -> dict:
+    """Queue one request of a training model (in arrival order) and make sure a worker holds the model.
+
+    A request that computes on `tokens` tokens is first held to the key's and the organisation's token rate
+    limits and to the monthly budget, priced as the prompt tokens of a completion of the base model (as the
+    worker meters it), nothing queued when over: 429 `rate_limit_exceeded` (the SDK backs off and retries),
+    or, for a spent budget, 402 `insufficient_quota`: the SDK's billing status, on which it holds the loop
+    for `tinker_budget_pause_s`, retrying, before it raises `BillingError`."""
+    row = await owned.model(res, who, model_id)
+    if row.lost:
+        raise InvalidRequest(row.lost + " Load your last saved state into a new training client.")
+    if tokens:
+        try:
+            admission = await res.guard.admit(who.organization_id, who.api_key_id, row.base_model, tokens, 0)
+        except InsufficientQuota as exc:
+            raise BudgetSpent(exc.message) from None
+        res.guard.settle(admission, tokens, 0)  # the count is exact: the tokens are in the request
+    request_id = new_id("tr-")
+    await store.add_request(
+        res.pool,
+        request_id=request_id,
+        org_id=who.organization_id,
+        model_id=model_id,
+        kind=kind,
+        payload=payload,
+    )
+    held = await store.holder(res.pool, model_id=model_id, stale_s=res.settings.stale_after_s)
+    if held is None or held.worker_id is None or not held.alive:
+        await enqueue(res.queue, res.settings.queue_name, model_id, time.time_ns(), function=RUN_TINKER_MODEL)
+    return {"request_id": request_id, "model_id": model_id}
+
+
+async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[str, Any]:
+    """Decode and check the whole request (`gateway.tinker.wire_decode`: sizes and shapes before anything is
+    expanded, then the loss's inputs and the base model's vocabulary), so that the training process gets
+    nothing it would fail on; each refusal is a 400 naming the field."""
+    settings = res.settings
+    limit = settings.tinker_max_numbers or settings.max_request_body_bytes // 2
+    try:
+        req = wire_decode.decode_forward_backward(body, max_numbers=limit)
+    except wire.WireError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+    loss_error = tinker_loss_error(req.loss_fn)
+    if loss_error is not None:
+        raise InvalidRequest(loss_error, param="loss_fn", code="unknown_loss_fn")
+    base = (await owned.model(res, who, req.model_id)).base_model
+    known = base in settings.base_models  # else the training process checks against its embedding
+    try:
+        req.check_inputs(wire_decode.vocabulary_size(settings.base_model_path(base)) if known else None)
+    except wire.WireError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+    kind = "forward" if req.forward_only else "forward_backward"
+    return await submit(res, who, req.model_id, kind, req.payload(), tokens=req.tokens)
+
+
+async def optim_step(res: Resources, who: Principal, body: p.OptimStepRequest) -> dict[str, Any]:
+    params = body.adam_params or p.AdamParams()
+    return await submit(res, who, body.model_id, "optim_step", params.model_dump())
+
+
+def _name(given: str | None, prefix: str) -> str:
+    name = given or f"{prefix}-{new_id('', 8)}"
+    if not valid_name(name):
+        raise InvalidRequest(
+            f"Invalid checkpoint name {name!r}: use letters, digits, '.', '_' and '-'.", param="path"
+        )
+    return name
+
+
+async def save_weights(res: Resources, who: Principal, body: p.SaveWeightsRequest) -> dict[str, Any]:
+    payload = {"name": _name(body.path, "state"), "ttl_seconds": body.ttl_seconds}
+    return await submit(res, who, body.model_id, "save_weights", payload)
+
+
+async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRequest) -> dict[str, Any]:
+    """A sampler checkpoint; one saved for a sampling client at once (no name: the SDK's
+    `save_weights_and_get_sampling_client`, whose checkpoints are ephemeral) expires after
+    `tinker_ephemeral_ttl_s`, as Tinker's do."""
+    payload: dict[str, Any] = {"name": _name(body.path, "sampler"), "ttl_seconds": body.ttl_seconds}
+    if body.path is None and body.sampling_session_seq_id is not None:
+        row = await owned.model(res, who, body.model_id)
+        sampler_id = sampler_id_of(
+            row.session_id, owned.seq_id(body.sampling_session_seq_id, "sampling_session_seq_id")
+        )
+        if await store.get_sampler(res.pool, sampler_id=sampler_id, org_id=who.organization_id):
+            raise owned.taken("sampling session", sampler_id, "sampling_session_seq_id")
+        payload["session_id"] = row.session_id
+        payload["sampler_id"] = sampler_id
+        payload["ttl_seconds"] = res.settings.tinker_ephemeral_ttl_s
+    return await submit(res, who, body.model_id, "save_weights_for_sampler", payload)
+
+
+async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsRequest) -> dict[str, Any]:
+    ckpt = await owned.checkpoint(res, who, body.path, "training")
+    if body.optimizer and not ckpt.with_optimizer:
+        raise InvalidRequest("This checkpoint holds no optimizer state.", param="optimizer")
+    model_id = body.model_id
+    if model_id is None:  # a new model made by loading the checkpoint (create_training_client_from_state)
+        if body.session_id is None or body.model_seq_id is None:
+            raise InvalidRequest("load_weights needs model_id, or session_id and model_seq_id.")
+        model_id = await _new_model(
+            res, who, body.session_id, body.model_seq_id, base_model=ckpt.base_model, rank=ckpt.lora_rank,
+            lora_config=ckpt.lora_config, metadata=body.user_metadata,
+        )  # fmt: skip
+    payload = {"dir": ckpt.path, "optimizer": body.optimizer, "path": body.path}
+    return await submit(res, who, model_id, "load_weights", payload)
