@@ -21,6 +21,9 @@ VLLM_MAX_LORA_RANK = 16
 VLLM_MAX_MODEL_LEN = 1024
 """The test vLLM's `--max-model-len`, under tiny-chat's own 2048: a prompt between the two reaches vLLM and
 is refused there, not by the gateway."""
+VLLM_MAX_LORAS = 2
+"""The test vLLM's `--max-loras` and `--max-cpu-loras`: small, so that tests using four adapters in turn use
+more than its batch takes and its host cache holds."""
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +93,7 @@ def server_factory(tiny_model_dir: Path) -> Iterator[Callable[..., RunningServer
 def vllm_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmEngineProcess]:
-    """vLLM serving the tiny model as ``tiny-chat`` (4 adapters a batch, 8 cached, rank 16 at most, 1024
+    """vLLM serving the tiny model as ``tiny-chat`` (2 adapters a batch, 2 cached, rank 16 at most, 1024
     tokens, 1 GiB of KV cache) under a `Supervisor`, as ``tunegate up`` runs it: started again when it
     exits. One for the session: each start imports torch and vLLM in three processes. Skipped where vLLM
     is not installed (``scripts/install-vllm``) or cannot run."""
@@ -105,8 +108,8 @@ def vllm_server(
         MODEL_NAME,
         free_port(),
         tmp_path_factory.mktemp("vllm") / "vllm.log",
-        max_loras=4,
-        max_cpu_loras=8,
+        max_loras=VLLM_MAX_LORAS,
+        max_cpu_loras=VLLM_MAX_LORAS,
         max_lora_rank=VLLM_MAX_LORA_RANK,
         max_model_len=VLLM_MAX_MODEL_LEN,
         kv_cache_gib=1.0,
