@@ -17,14 +17,18 @@ from gateway.errors import not_found
 from gateway.ids import new_id
 from gateway.tenancy.keys import Principal
 from gateway.tinker import protocol as p
-from gateway.tinker import store
+from gateway.tinker import store, training
 from gateway.tinker.paths import valid_session_id
 
 
 # ---------------------------------------------------------------------------------------------- config
 def client_config(res: Resources) -> dict[str, Any]:
-    """Feature flags for the SDK: API keys (no token exchange), plain httpx, one forward_backward request
-    per call (its chunks in order), no zstd; how long it waits on a spent budget (402) before raising."""
+    """Feature flags for the SDK: API keys (no token exchange), plain httpx, no zstd; how long it waits on a
+    spent budget (402) before raising; and how it splits a `forward_backward` batch into requests that each
+    fit this server's bounds (`training.chunk_limits`), sent one after another. The training process adds
+    up the gradients of consecutive requests until `optim_step`, and the SDK sums their `loss:sum` and
+    joins their outputs in order, so a batch trains the same in one request or in several."""
+    chunk_data, chunk_bytes = training.chunk_limits(res.settings)
     return {
         "billing_exception_max_pause_duration_sec": res.settings.tinker_budget_pause_s,
         "pjwt_auth_enabled": False,
@@ -32,8 +36,8 @@ def client_config(res: Resources) -> dict[str, Any]:
         "use_pyqwest_transport": False,
         "parallel_fwdbwd_chunks": False,
         "proto_compress_fwdbwd": False,
-        "fwdbwd_max_chunk_len": 100_000,
-        "fwdbwd_max_chunk_bytes_count": 1_000_000_000,
+        "fwdbwd_max_chunk_len": chunk_data,
+        "fwdbwd_max_chunk_bytes_count": chunk_bytes,
     }
 
 

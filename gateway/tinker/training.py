@@ -17,11 +17,46 @@ from gateway.deps import Resources
 from gateway.errors import BudgetSpent, InsufficientQuota, InvalidRequest
 from gateway.ids import new_id
 from gateway.queue import enqueue
+from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
 from gateway.tinker import owned, store, wire, wire_decode
 from gateway.tinker import protocol as p
 from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, sampler_id_of, valid_name
+from gateway.tinker.wire_fields import MAX_FIELDS
 from trainer.spec import tinker_loss_error
+
+FIELDS_A_DATUM = 64
+"""Protocol buffer fields a datum may take for the SDK's batches to stay within the decoder's bound
+(`MAX_FIELDS`) in chunks of `MAX_FIELDS // FIELDS_A_DATUM` data: one of supervised learning takes 15 to 19
+(one chunk of input tokens, `target_tokens` and `weights`), one of reinforcement learning 21 to 27 (with
+`logprobs` and `advantages`); 64 leaves room for input tokens in a dozen chunks and more inputs."""
+FRAMING_A_DATUM = 512
+"""Bytes a datum's protocol buffer framing may add to what the SDK counts of it (4 bytes a token and each
+input's values): tags, lengths and input names, 54 to 162 bytes for the SDK's own data."""
+FRAMING_A_REQUEST = 4096
+"""Bytes of a request's own fields: the model id, the loss and its config."""
+
+
+def max_numbers(settings: Settings) -> int:
+    """Most numbers one `forward_backward` request may decode to (`tinker_max_numbers`)."""
+    return settings.tinker_max_numbers or settings.max_request_body_bytes // 2
+
+
+def chunk_limits(settings: Settings) -> tuple[int, int]:
+    """`(data, bytes)`: most data, and most bytes as the SDK counts them, of one `forward_backward` request
+    when the SDK splits a batch into several (`fwdbwd_max_chunk_len`, `fwdbwd_max_chunk_bytes_count` of its
+    client config), so that each request fits the body cap and the decoder's bounds whatever the batch.
+
+    The SDK counts a datum's numbers, never its framing: the chunk's data are bounded so that their framing
+    takes at most a quarter of the body (`FRAMING_A_DATUM` each) and their fields the decoder's bound
+    (`FIELDS_A_DATUM` each), and its bytes leave room for that framing under the body cap. A dense value
+    takes at least 4 bytes, so 4 bytes a number also keeps a chunk within `max_numbers` (sparse inputs, which
+    the SDK counts at their stored size, may still decode past it: a 400 naming the field). One datum over
+    the byte bound goes alone, and is refused as a body over the cap (413)."""
+    cap = settings.max_request_body_bytes
+    data = max(1, min(MAX_FIELDS // FIELDS_A_DATUM, cap // (4 * FRAMING_A_DATUM)))
+    size = min(cap - data * FRAMING_A_DATUM - FRAMING_A_REQUEST, 4 * max_numbers(settings))
+    return data, max(1, size)
 
 
 async def _done_future(
@@ -131,9 +166,8 @@ async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[
     expanded, then the loss's inputs and the base model's vocabulary), so that the training process gets
     nothing it would fail on; each refusal is a 400 naming the field."""
     settings = res.settings
-    limit = settings.tinker_max_numbers or settings.max_request_body_bytes // 2
     try:
-        req = wire_decode.decode_forward_backward(body, max_numbers=limit)
+        req = wire_decode.decode_forward_backward(body, max_numbers=max_numbers(settings))
     except wire.WireError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
     loss_error = tinker_loss_error(req.loss_fn)

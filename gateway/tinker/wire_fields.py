@@ -13,9 +13,10 @@ from gateway.tinker.wire import WireError
 MAX_FIELDS = 8_192
 """Most protocol buffer fields one request may hold, at every depth (`_MESSAGES`): about 540 data of
 supervised learning as the SDK encodes them (one chunk, `target_tokens` and `weights`: 15 fields each), 390
-of reinforcement learning (with `logprobs` and `advantages`: 21); a larger batch goes in several calls.
-Parsing and the decoder's walk cost up to a microsecond or so a field however small it is, so this bounds a
-request's CPU whatever its body holds; the count is taken on the raw bytes, before parsing."""
+of reinforcement learning (with `logprobs` and `advantages`: 21); the SDK sends a larger batch in several
+requests (`gateway.tinker.training.chunk_limits`). Parsing and the decoder's walk cost up to a microsecond
+or so a field however small it is, so this bounds a request's CPU whatever its body holds; the count is
+taken on the raw bytes, before parsing."""
 
 _PACKED = "packed"
 """A repeated number field, counted one value a byte (its most) when packed."""

@@ -1,0 +1,159 @@
+"""`forward_backward` batches larger than one request may be: the SDK splits them into requests within the
+server's bounds (the body cap, the decoder's bound on protocol buffer fields), as the server's client config
+tells it, and a batch so split trains exactly as the same data in one request of the training process does:
+the same per-datum log-probabilities, the same summed loss, the same gradient (its norm at `optim_step`)
+and the same adapter after the step.
+
+The gateway here takes bodies of at most 512 KiB, so a batch of long data goes over its body cap in a few
+megabytes less than at the default cap, while the fields still bound the chunks as they do by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import numpy as np
+import pytest
+import tinker
+from safetensors.numpy import load_file
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
+from gateway.tinker.wire import WireError
+from gateway.tinker.wire_fields import MAX_FIELDS, fields_left
+from tests.support.fixtures import gateway_fixture, worker_fixture
+from tests.support.stack import Admin, GatewayServer, Tenant
+
+CAP = 512 * 1024
+gw = gateway_fixture("tinker-batches", own_database=True, engine=False, max_request_body_bytes=CAP)
+worker = worker_fixture(
+    autouse=True, TUNEGATE_TRAINING_SLOTS="2", TUNEGATE_TINKER_IDLE_TIMEOUT_S="2"
+)  # a finished test's model lets its slot go
+
+ADAM = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
+SEED = 11
+
+
+def batch(count: int, tokens: int) -> list[list[int]]:
+    """`count` sequences of `tokens + 1` token ids of `tiny-chat`'s vocabulary (next-token prediction)."""
+    rng = random.Random(count * 7919 + tokens)
+    return [[rng.randrange(1, 990) for _ in range(tokens + 1)] for _ in range(count)]
+
+
+def datum(row: list[int]) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(row[:-1]),
+        loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
+    )
+
+
+def one_body(rows: list[list[int]]) -> bytes:
+    """The whole batch as the SDK encodes one `forward_backward` request."""
+    request = types.ForwardBackwardRequest(
+        model_id="ts-0:train:0",
+        seq_id=1,
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[datum(r) for r in rows], loss_fn="cross_entropy"
+        ),
+    )
+    return bytes(forward_backward_request_to_proto(request).SerializeToString())
+
+
+@pytest.fixture(scope="module")
+def org(gw_admin: Admin) -> Tenant:
+    return gw_admin.tenant("tinker-batches")
+
+
+@pytest.fixture(scope="module")
+def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
+    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
+        yield client
+
+
+def in_one_request(gw: GatewayServer, rows: list[list[int]], out: Path) -> dict[str, Any]:
+    """The same step in the training process's own code, the whole batch in one `forward_backward`: its
+    outputs and metrics, the gradient norm at `optim_step`, and the adapter after it (saved to `out`)."""
+    from trainer.tinker_session import Session
+
+    session = Session(
+        {"base_path": str(gw.settings.base_model_path("tiny-chat")), "rank": 4, "seed": SEED,
+         "train_attn": True, "train_mlp": True}
+    )  # fmt: skip
+    data = [
+        {"tokens": r[:-1], "inputs": {"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)}} for r in rows
+    ]
+    fb = session.forward_backward({"loss_fn": "cross_entropy", "loss_fn_config": None, "data": data})
+    step = session.optim_step(ADAM)
+    session.save_state({"dir": str(out), "optimizer": False})
+    return {**fb, "grad_norm": step["metrics"]["grad_norm:mean"], "adapter": load_file(out / ADAPTER)}
+
+
+ADAPTER = "adapter_model.safetensors"
+
+
+async def forward_backward_requests(gw: GatewayServer, model_id: str) -> int:
+    assert gw.settings.database_url is not None
+    conn = await asyncpg.connect(gw.settings.database_url)
+    try:
+        count = await conn.fetchval(
+            "SELECT count(*) FROM tinker_requests WHERE model_id = $1 AND kind = 'forward_backward'", model_id
+        )
+        return int(count)
+    finally:
+        await conn.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("case", "count", "tokens"),
+    [
+        ("over the body cap", 20, 2000),  # 16 bytes a token as the SDK sends them: 640 KB
+        ("over the bound on fields", 560, 2),  # 15 fields a datum: 8,400 (and 50 KB)
+    ],
+)
+def test_a_batch_over_one_requests_bounds_trains_as_one_request(
+    gw: GatewayServer,
+    org: Tenant,
+    service: tinker.ServiceClient,
+    tmp_path: Path,
+    case: str,
+    count: int,
+    tokens: int,
+) -> None:
+    rows = batch(count, tokens)
+    body = one_body(rows)
+    if case == "over the body cap":
+        assert len(body) > CAP
+    else:
+        assert len(body) < CAP
+        with pytest.raises(WireError, match="protocol buffer fields"):
+            fields_left(body, MAX_FIELDS)
+
+    tc = service.create_lora_training_client(base_model="tiny-chat", rank=4, seed=SEED)
+    fb = tc.forward_backward([datum(r) for r in rows], "cross_entropy")
+    step = tc.optim_step(types.AdamParams(**ADAM))
+    out, stepped = fb.result(), step.result()
+    saved = tc.save_state("after").result()
+    assert asyncio.run(forward_backward_requests(gw, tc.model_id)) > 1  # the SDK sent it in several requests
+
+    want = in_one_request(gw, rows, tmp_path / "reference")
+    assert len(out.loss_fn_outputs) == count
+    for got, expected in zip(out.loss_fn_outputs, want["outputs"], strict=True):
+        np.testing.assert_allclose(got["logprobs"].to_numpy(), expected["logprobs"], rtol=1e-5, atol=1e-5)
+    assert out.metrics["loss:sum"] == pytest.approx(want["metrics"]["loss:sum"], rel=1e-5)
+    assert stepped.metrics is not None
+    assert stepped.metrics["grad_norm:mean"] == pytest.approx(want["grad_norm"], rel=1e-4)
+
+    model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
+    adapter = load_file(
+        gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, SEGMENT["training"], name) / ADAPTER
+    )
+    assert adapter.keys() == want["adapter"].keys()
+    for key, value in adapter.items():
+        np.testing.assert_allclose(value, want["adapter"][key], atol=1e-6, err_msg=key)
