@@ -15,6 +15,7 @@ from gateway.db import create_pool, migrate
 from tests.support.engine import EngineServer
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of
+from tests.support.vllm import vllm_server  # noqa: F401 - the session's vLLM, for any test package
 from tunegate.services import scratch_database
 
 

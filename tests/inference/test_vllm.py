@@ -30,10 +30,11 @@ import pytest
 
 from gateway.settings import BaseModelConfig, Settings
 from inference.vllm import VllmUnavailable
-from tests.inference.conftest import VLLM_MAX_LORA_RANK, VLLM_MAX_MODEL_LEN, RunningServer, start_server
+from tests.inference.conftest import RunningServer, start_server
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import make_lora_adapter, register_model, resources_of
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
+from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_MODEL_LEN
 from tunegate.processes import EngineProcess, free_port, wait_port
 from tunegate.vllm_process import VllmEngineProcess, engine_processes
 

@@ -24,10 +24,10 @@ import httpx
 import openai
 import pytest
 
-from tests.inference.conftest import VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS, VLLM_MAX_MODEL_LEN
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import register_model, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, make_settings
+from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS, VLLM_MAX_MODEL_LEN
 from tunegate.vllm_process import VllmEngineProcess
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
