@@ -27,6 +27,7 @@ from gateway.jobs.validation import (
     MethodSpec,
     RowError,
     check_metadata,
+    check_servable_rank,
     check_suffix,
     check_training_file,
     normalise_method,
@@ -247,9 +248,10 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Me
         await check_models(res, who, model_fields(spec.grader, param="method.reinforcement.grader"))
     # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
     probe = DatasetSummary(1_000_000, 0)
-    resolve_hyperparameters(
+    probed = resolve_hyperparameters(
         spec, probe, probe if body.validation_file else None, res.settings.base_model_path(body.model)
     )
+    check_servable_rank(probed, spec, res.settings.engine_max_lora_rank)
     training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
     files = [res.blobs.path(training.blob_key)]
     if body.validation_file:

@@ -47,6 +47,19 @@ class MethodSpec:
         self.param = self.param or f"method.{self.type}.hyperparameters"
 
 
+def check_servable_rank(hyperparameters: BaseModel, spec: MethodSpec, max_rank: int) -> None:
+    """A job trains only an adapter its model can be served with: a `lora_r` above the engines' largest rank
+    (`engine_max_lora_rank`) is refused at create, not after training, when serving would refuse it."""
+    rank = getattr(hyperparameters, "lora_r", None)
+    if isinstance(rank, int) and rank > max_rank:
+        raise InvalidRequest(
+            f"A lora_r of {rank} is above the largest adapter rank this server serves ({max_rank}): "
+            "the fine-tuned model could not be used. Choose a lora_r of at most that.",
+            param=f"{spec.param}.lora_r",
+            code="invalid_value",
+        )
+
+
 def check_suffix(suffix: str | None) -> None:
     if suffix is not None and not _SUFFIX.match(suffix):
         raise InvalidRequest(

@@ -426,3 +426,32 @@ def test_request_validation_errors_name_the_field_in_one_sentence(
         error = refused(post_raw(api, "/v1/evals", b'{"name": "x",'), None)
         assert (error["param"], error["code"]) == (None, "invalid_json")
         assert error["message"].startswith("The request body is not valid JSON (")
+
+
+def test_a_lora_rank_the_engines_cannot_serve_is_refused_at_create(
+    stack: GatewayServer, tenant: Tenant
+) -> None:
+    """A lora_r above `engine_max_lora_rank` would train an adapter that serving refuses: a 400 naming the
+    field before anything is queued; the largest servable rank is taken."""
+    limit = stack.settings.engine_max_lora_rank
+    training_file = _training_file(tenant, HELLO_SFT)
+
+    def create(rank: int) -> Any:
+        hp = {"lora_r": rank, "n_epochs": 1}
+        method = {"type": "supervised", "supervised": {"hyperparameters": hp}}
+        return api.post(JOBS, json={"model": BASE, "training_file": training_file, "method": method})
+
+    param = "method.supervised.hyperparameters.lora_r"
+    with http(stack, tenant.key) as api:
+        error = refused(create(limit + 1), param)
+        assert error == {
+            "message": f"A lora_r of {limit + 1} is above the largest adapter rank this server serves "
+            f"({limit}): the fine-tuned model could not be used. Choose a lora_r of at most that.",
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "invalid_value",
+        }
+        assert tenant.client.fine_tuning.jobs.list().data == []
+        taken = create(limit)
+        assert taken.status_code == 200, taken.text
+        tenant.client.fine_tuning.jobs.cancel(taken.json()["id"])
