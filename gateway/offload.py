@@ -8,10 +8,11 @@ Two kinds of work leave the loop:
   thread pool, which file uploads and every other request share. A call that finds every slot taken waits
   for one up to `sandbox_wait_s`, then gets 503 `sandbox_busy` with `retry-after`.
 * **Computation** (`Offload.cpu`): a single C call that holds the interpreter's lock for its whole run
-  (`ast.parse` of a large python grader source, fuzzy matching or ROUGE of long texts) stalls the loop even
-  from a thread. It runs in a small pool of processes (`cpu_processes`, spawned on first use) instead.
-  Spawned, like any multiprocessing pool: a program that embeds the gateway guards its main module
-  (`if __name__ == "__main__":`); `tunegate gateway`, `tunegate up` and uvicorn do.
+  (`ast.parse` of a large python grader source, fuzzy matching or ROUGE of long texts, decoding a large
+  Tinker `forward_backward` body) stalls the loop even from a thread. It runs in a small pool of processes
+  (`cpu_processes`, spawned on first use) instead. Spawned, like any multiprocessing pool: a program that
+  embeds the gateway guards its main module (`if __name__ == "__main__":`); `tunegate gateway`, `tunegate
+  up` and uvicorn do.
 
 Both count against the calling organisation on this process: it may have `sandbox_slots_per_organization`
 calls of either kind running, and one more is refused at once with 429 `concurrency_limit_exceeded`. So one
@@ -70,8 +71,8 @@ class Offload:
     def _refusal(self, held: int) -> RateLimited:
         return RateLimited(
             f"Your organization already has {held} sandboxed or CPU-heavy calls running on this gateway "
-            f"(environments/run, graders/run, grader checks, environment uploads), the most it may "
-            "run at once; retry when one finishes.",
+            "(environments/run, graders/run, grader checks, environment uploads, large Tinker "
+            "forward_backward bodies), the most it may run at once; retry when one finishes.",
             code="concurrency_limit_exceeded",
             headers={"retry-after": "1"},
         )

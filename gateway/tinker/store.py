@@ -8,6 +8,7 @@ False) and the service answers it as the caller's mistake.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -123,6 +124,9 @@ ANSWER_CHANNEL = "tinker_answer"
 """Notified with a request's id when it is answered (its `retrieve_future` wakes)."""
 INSERT_REQUEST = """
 INSERT INTO tinker_requests (id, organization_id, model_id, kind, payload) VALUES ($1, $2, $3, $4, $5)"""
+INSERT_ENCODED_REQUEST = """
+INSERT INTO tinker_requests (id, organization_id, model_id, kind, payload)
+VALUES ($1, $2, $3, $4, $5::text::jsonb)"""
 TOUCH_MODEL = f"""
 WITH touched AS (UPDATE tinker_models SET last_request_at = now() WHERE id = $1 RETURNING id)
 SELECT pg_notify('{REQUEST_CHANNEL}', id) FROM touched"""
@@ -151,10 +155,21 @@ async def forget_finished(conn: Conn, *, older_than_s: float, most: int = 10_000
     return int(status.rsplit(" ", 1)[-1])
 
 
+@dataclass(frozen=True, slots=True)
+class JsonText:
+    """A request's payload already encoded as JSON (a large one, encoded off the event loop): stored as it
+    is, where any other payload is encoded by the pool's JSON codec."""
+
+    text: str
+
+
 async def add_request(
     conn: Conn, *, request_id: str, org_id: str, model_id: str | None, kind: str, payload: object
 ) -> None:
-    await conn.execute(INSERT_REQUEST, request_id, org_id, model_id, kind, payload)
+    if isinstance(payload, JsonText):
+        await conn.execute(INSERT_ENCODED_REQUEST, request_id, org_id, model_id, kind, payload.text)
+    else:
+        await conn.execute(INSERT_REQUEST, request_id, org_id, model_id, kind, payload)
     if model_id is not None:
         await conn.execute(TOUCH_MODEL, model_id)
 

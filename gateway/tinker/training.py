@@ -35,6 +35,9 @@ FRAMING_A_DATUM = 512
 input's values): tags, lengths and input names, 54 to 162 bytes for the SDK's own data."""
 FRAMING_A_REQUEST = 4096
 """Bytes of a request's own fields: the model id, the loss and its config."""
+INLINE_BODY_BYTES = 4096
+"""Largest `forward_backward` body decoded on the event loop: about a millisecond at most, as much as the
+trip to a process of the CPU pool and back (at most some 60 data of a token each, 15 fields a datum)."""
 
 
 def max_numbers(settings: Settings) -> int:
@@ -128,7 +131,13 @@ async def get_info(res: Resources, who: Principal, model_id: str) -> dict[str, A
 
 
 async def submit(
-    res: Resources, who: Principal, model_id: str, kind: str, payload: dict[str, Any], *, tokens: int = 0
+    res: Resources,
+    who: Principal,
+    model_id: str,
+    kind: str,
+    payload: dict[str, Any] | store.JsonText,
+    *,
+    tokens: int = 0,
 ) -> dict:
     """Queue one request of a training model (in arrival order) and make sure a worker holds the model.
 
@@ -161,15 +170,26 @@ async def submit(
     return {"request_id": request_id, "model_id": model_id}
 
 
+async def _decode(res: Resources, who: Principal, body: bytes) -> tuple[wire_decode.ForwardBackward, str]:
+    """The request and its payload as JSON (`wire_decode.decode_to_json`), or a 400 naming the field. A
+    body over `INLINE_BODY_BYTES` is decoded in the gateway's CPU pool, as one of the organisation's
+    CPU-heavy calls (`gateway.offload`: 429 when it has them all running): its decoding and encoding cost
+    up to tens of milliseconds of the interpreter's lock, which would stall every other request here."""
+    limit = max_numbers(res.settings)
+    try:
+        if len(body) <= INLINE_BODY_BYTES:
+            return wire_decode.decode_to_json(body, max_numbers=limit)
+        return await res.offload.cpu(who.organization_id, wire_decode.decode_to_json, body, max_numbers=limit)
+    except wire.WireError as exc:
+        raise InvalidRequest(exc.message, param=exc.param) from None
+
+
 async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[str, Any]:
     """Decode and check the whole request (`gateway.tinker.wire_decode`: sizes and shapes before anything is
     expanded, then the loss's inputs and the base model's vocabulary), so that the training process gets
     nothing it would fail on; each refusal is a 400 naming the field."""
     settings = res.settings
-    try:
-        req = wire_decode.decode_forward_backward(body, max_numbers=max_numbers(settings))
-    except wire.WireError as exc:
-        raise InvalidRequest(exc.message, param=exc.param) from None
+    req, payload = await _decode(res, who, body)
     loss_error = tinker_loss_error(req.loss_fn)
     if loss_error is not None:
         raise InvalidRequest(loss_error, param="loss_fn", code="unknown_loss_fn")
@@ -180,7 +200,7 @@ async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[
     except wire.WireError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
     kind = "forward" if req.forward_only else "forward_backward"
-    return await submit(res, who, req.model_id, kind, req.payload(), tokens=req.tokens)
+    return await submit(res, who, req.model_id, kind, store.JsonText(payload), tokens=req.tokens)
 
 
 async def optim_step(res: Resources, who: Principal, body: p.OptimStepRequest) -> dict[str, Any]:

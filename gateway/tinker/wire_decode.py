@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from gateway.tinker.wire import ForwardBackwardRequest, WireError
 from gateway.tinker.wire_fields import check_fields
@@ -51,6 +52,8 @@ class ForwardBackward:
     """Input tokens of all the data together (what the request is metered and rate limited on)."""
     top_ids: list[tuple[int, int]] = field(default_factory=list)
     """Each datum's largest input token id and largest target token id."""
+    input_names: list[tuple[str, ...]] = field(default_factory=list)
+    """Each datum's `loss_fn_inputs` names (what `check_inputs` reads, with or without `data`)."""
 
     def payload(self) -> dict[str, Any]:
         """The request as the training process reads it (`trainer.tinker_session`)."""
@@ -65,8 +68,8 @@ class ForwardBackward:
         """Refuse a datum without an input its loss reads, or with a token id out of the base model's
         vocabulary (`vocab_size`, None when unknown: the training process checks its embedding then)."""
         needed = tinker_required_inputs(self.loss_fn)
-        for i, datum in enumerate(self.data):
-            missing = [name for name in needed if name not in datum["inputs"]]
+        for i, names in enumerate(self.input_names):
+            missing = [name for name in needed if name not in names]
             if missing:
                 raise WireError(
                     f"The loss '{self.loss_fn}' needs the loss_fn_input '{missing[0]}'; data[{i}] has none.",
@@ -374,7 +377,19 @@ def decode_forward_backward(body: bytes, *, max_numbers: int) -> ForwardBackward
         data=data,
         tokens=token_ends[-1],
         top_ids=list(zip(top_inputs, top_targets, strict=True)),
+        input_names=[tuple(datum.loss_fn_inputs) for datum in msg.data],
     )
+
+
+def decode_to_json(body: bytes, *, max_numbers: int) -> tuple[ForwardBackward, str]:
+    """`decode_forward_backward`, with the payload the training process reads already JSON, and the request
+    without its `data` (which the JSON holds): made for a process of the gateway's CPU pool, so that what
+    comes back is one string to store as it is, not a list of every number to rebuild on the gateway's
+    event loop."""
+    req = decode_forward_backward(body, max_numbers=max_numbers)
+    payload = orjson.dumps(req.payload()).decode()
+    req.data = []
+    return req, payload
 
 
 def vocabulary_size(model_dir: Path) -> int | None:

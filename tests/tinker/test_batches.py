@@ -1,22 +1,28 @@
-"""`forward_backward` batches larger than one request may be: the SDK splits them into requests within the
-server's bounds (the body cap, the decoder's bound on protocol buffer fields), as the server's client config
-tells it, and a batch so split trains exactly as the same data in one request of the training process does:
-the same per-datum log-probabilities, the same summed loss, the same gradient (its norm at `optim_step`)
-and the same adapter after the step.
+"""Large `forward_backward` batches and bodies.
 
-The gateway here takes bodies of at most 512 KiB, so a batch of long data goes over its body cap in a few
-megabytes less than at the default cap, while the fields still bound the chunks as they do by default.
+A batch larger than one request may be is split by the SDK into requests within the server's bounds (the
+body cap, the decoder's bound on protocol buffer fields), as the server's client config tells it, and a
+batch so split trains exactly as the same data in one request of the training process does: the same
+per-datum log-probabilities, the same summed loss, the same gradient (its norm at `optim_step`) and the
+same adapter after the step. The gateway here takes bodies of at most 512 KiB, so a batch of long data goes
+over its body cap in a few megabytes less than at the default cap, while the fields still bound the chunks
+as they do by default.
+
+A large body is decoded off the gateway's event loop, in its CPU pool, with the same answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+import httpx
 import numpy as np
 import pytest
 import tinker
@@ -24,11 +30,13 @@ from safetensors.numpy import load_file
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from gateway.offload import Offload
 from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
+from gateway.tinker.training import INLINE_BODY_BYTES
 from gateway.tinker.wire import WireError
 from gateway.tinker.wire_fields import MAX_FIELDS, fields_left
 from tests.support.fixtures import gateway_fixture, worker_fixture
-from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.stack import Admin, GatewayServer, Tenant, admin_of
 
 CAP = 512 * 1024
 gw = gateway_fixture("tinker-batches", own_database=True, engine=False, max_request_body_bytes=CAP)
@@ -53,14 +61,19 @@ def datum(row: list[int]) -> types.Datum:
     )
 
 
-def one_body(rows: list[list[int]]) -> bytes:
-    """The whole batch as the SDK encodes one `forward_backward` request."""
+def one_body(rows: list[list[int]], model_id: str = "ts-0:train:0", *, nan_last: bool = False) -> bytes:
+    """The whole batch as the SDK encodes one `forward_backward` request (`nan_last`: the last weight NaN)."""
+    data = [datum(r) for r in rows]
+    if nan_last:
+        weights = [1.0] * (len(rows[-1]) - 2) + [math.nan]
+        data[-1] = types.Datum(
+            model_input=data[-1].model_input,
+            loss_fn_inputs={"target_tokens": rows[-1][1:], "weights": weights},
+        )
     request = types.ForwardBackwardRequest(
-        model_id="ts-0:train:0",
+        model_id=model_id,
         seq_id=1,
-        forward_backward_input=types.ForwardBackwardInput(
-            data=[datum(r) for r in rows], loss_fn="cross_entropy"
-        ),
+        forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
     )
     return bytes(forward_backward_request_to_proto(request).SerializeToString())
 
@@ -157,3 +170,78 @@ def test_a_batch_over_one_requests_bounds_trains_as_one_request(
     assert adapter.keys() == want["adapter"].keys()
     for key, value in adapter.items():
         np.testing.assert_allclose(value, want["adapter"][key], atol=1e-6, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------- off the loop
+fresh = gateway_fixture("tinker-offload", scope="function", engine=False, own_database=True)
+"""A gateway of this test's own: nothing else has started its CPU pool."""
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
+def offload(gateway: GatewayServer) -> Offload:
+    app: Any = gateway.server.config.app
+    work = app.state.resources.offload
+    assert isinstance(work, Offload)
+    return work
+
+
+async def queued_payload(gw: GatewayServer, request_id: str) -> Any:
+    assert gw.settings.database_url is not None
+    conn = await asyncpg.connect(gw.settings.database_url)
+    try:
+        return json.loads(
+            await conn.fetchval("SELECT payload FROM tinker_requests WHERE id = $1", request_id)
+        )
+    finally:
+        await conn.close()
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(fresh: GatewayServer) -> None:
+    """A small body is decoded on the event loop (the CPU pool is never started); a large one in the CPU
+    pool: refused there with the field named as on the loop, or accepted and queued with all its data."""
+    tenant = admin_of(fresh).tenant("offload")
+    headers = {"X-API-Key": "tml-" + tenant.key}
+    with httpx.Client(base_url=f"{fresh.url}/api/v1", headers=headers, timeout=120) as api:
+        session = api.post("/create_session", json={"tags": [], "sdk_version": "test"}).json()["session_id"]
+        made = api.post(
+            "/create_model",
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "tiny-chat",
+                "lora_config": {"rank": 4},
+            },
+        )
+        model_id = made.json()["model_id"]
+
+        def post(body: bytes) -> httpx.Response:
+            return api.post(
+                "/forward_backward", content=body, headers={"Content-Type": "application/x-protobuf"}
+            )
+
+        def refused_at(body: bytes) -> str:
+            answer = post(body)
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["message"] == "The tensor holds NaN or infinity; give finite numbers."
+            return str(error["param"])
+
+        small, large = batch(4, 2), batch(200, 2)
+        assert len(one_body(small, model_id)) <= INLINE_BODY_BYTES < len(one_body(large, model_id))
+        assert refused_at(one_body(small, model_id, nan_last=True)) == "data[3].loss_fn_inputs.weights"
+        assert post(one_body(small, model_id)).status_code == 200
+        assert offload(fresh)._pool is None  # decoded on the loop: the CPU pool was never started
+
+        assert refused_at(one_body(large, model_id, nan_last=True)) == "data[199].loss_fn_inputs.weights"
+        assert offload(fresh)._pool is not None  # started for the large body
+        accepted = post(one_body(large, model_id))
+        assert accepted.status_code == 200, accepted.text
+    payload = asyncio.run(queued_payload(fresh, accepted.json()["request_id"]))
+    assert payload == {
+        "loss_fn": "cross_entropy",
+        "loss_fn_config": {},
+        "forward_only": False,
+        "data": [
+            {"tokens": r[:-1], "inputs": {"target_tokens": r[1:], "weights": [1.0, 1.0]}} for r in large
+        ],
+    }
