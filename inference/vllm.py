@@ -94,7 +94,8 @@ def _installed(venv: Path) -> tuple[str, str] | None:
 
 
 def gpus_listed() -> int:
-    """GPUs ``nvidia-smi`` lists (0 without the tool or a driver)."""
+    """GPUs ``nvidia-smi`` lists (0 without the tool or a driver); the worker's ``devices=auto`` counts them
+    here too (``gateway.worker.devices``)."""
     if shutil.which("nvidia-smi") is None:
         return 0
     try:

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.settings import Settings
+from inference.vllm import gpus_listed
 
 DDP_MAX_PARAMETERS = 8e9
 """Largest model trained data-parallel (DDP); larger ones are sharded with FSDP (docs/training.md)."""
@@ -47,23 +46,12 @@ class Device:
         return f"{self.kind}:{self.index}"
 
 
-def _gpu_count() -> int:
-    """GPUs `nvidia-smi` lists (0 without the tool or a driver)."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-
-
 def parse_devices(text: str, *, cpu_slots: int, gpus: int | None = None) -> list[Device]:
     """The devices a `devices` setting names: `auto` (every GPU `nvidia-smi` lists, else `cpu_slots` CPU
     processes), `cpu:N` (N CPU processes) or GPU indices `0,1,3`. `gpus`: the GPU count, for tests."""
     text = text.strip().lower()
     if text == "auto":
-        found = _gpu_count() if gpus is None else gpus
+        found = gpus_listed() if gpus is None else gpus
         if found:
             return [Device("cuda", i) for i in range(found)]
         return cpu_devices(max(1, cpu_slots))
