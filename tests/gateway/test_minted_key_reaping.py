@@ -16,7 +16,7 @@ import pytest
 from gateway.worker.job.process import KEY_TTL_S, key_name
 from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
-from tests.support.jobs import all_events, trainer_processes, upload_rows, wait_for
+from tests.support.jobs import all_events, graded_rl_job, trainer_processes, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
 from trainer.spec import INFERENCE_KEY_ENV
 
@@ -41,28 +41,7 @@ JUDGE = {
 def long_rl_job(t: Tenant) -> Any:
     """A reinforcement job graded by a model (so its trainer gets a key) that trains long enough to be
     killed mid-run."""
-    rows = [
-        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "question": f"What is {i} + {i}?"}
-        for i in range(4)
-    ]
-    return t.client.fine_tuning.jobs.create(
-        model=BASE,
-        training_file=upload_rows(t, rows),
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": JUDGE,  # type: ignore[typeddict-item]
-                "hyperparameters": {
-                    "n_epochs": 50,
-                    "batch_size": 2,
-                    "num_generations": 2,
-                    "max_completion_length": 4,
-                    "max_steps": 400,
-                    "checkpoint_every": 100,
-                },
-            },
-        },
-    )
+    return graded_rl_job(t, JUDGE, n_epochs=50, max_steps=400, checkpoint_every=100)
 
 
 def trainer_key(job_id: str, timeout: float = 240) -> str:

@@ -26,7 +26,7 @@ from gateway.settings import ModelPrice
 from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture, worker_fixture
-from tests.support.jobs import upload_rows, wait_for
+from tests.support.jobs import graded_rl_job, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
@@ -110,30 +110,6 @@ def play(gw: GatewayServer, t: Tenant, env_file: str, model: str) -> httpx.Respo
     return post(gw, t, "environments/run", {"file_id": env_file, "task": TASK, "model": model})
 
 
-def rl_job(t: Tenant, grader: dict[str, Any], **hyperparameters: Any) -> Any:
-    rows = [
-        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "question": f"What is {i} + {i}?"}
-        for i in range(4)
-    ]
-    return t.client.fine_tuning.jobs.create(
-        model=BASE,
-        training_file=upload_rows(t, rows),
-        method={
-            "type": "reinforcement",
-            "reinforcement": {
-                "grader": grader,  # type: ignore[typeddict-item]
-                "hyperparameters": {
-                    "batch_size": 2,
-                    "num_generations": 2,
-                    "max_completion_length": 4,
-                    "max_steps": 1,
-                    **hyperparameters,
-                },
-            },
-        },
-    )
-
-
 def usage_by_key(gw: GatewayServer, t: Tenant, start: int) -> dict[str, dict[str, Any]]:
     page = httpx.get(
         f"{gw.url}/v1/organization/usage/completions",
@@ -198,7 +174,7 @@ def test_another_organisations_model_is_an_unknown_model_everywhere(
     errors = []
     for model in (ft, unknown):
         with pytest.raises(openai.NotFoundError) as job:
-            rl_job(org, score(model))
+            graded_rl_job(org, score(model))
         errors.append(job.value.body)
     assert errors[0] == {**expected, "param": "method.reinforcement.grader.model"}
     assert errors[1] == {**errors[0], "message": f"No model found with id '{unknown}'."}
@@ -289,7 +265,7 @@ def test_a_jobs_model_grader_calls_the_gateway_with_a_key_of_the_job(
     gw: GatewayServer, gw_admin: Admin, org: Tenant
 ) -> None:
     start = int(time.time()) - 5
-    job = rl_job(org, score(BASE))
+    job = graded_rl_job(org, score(BASE))
     done = wait_for(org, job.id, timeout=300)
     assert done.status == "succeeded", done.error
 

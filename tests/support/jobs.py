@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.support.data import RFT, SAYS_YES
+from tests.support.data import BASE, RFT, SAYS_YES
 from tests.support.stack import Tenant
 
 FINAL_STATES = ("succeeded", "failed", "cancelled")
@@ -113,6 +113,33 @@ def rl_job(
                     "max_completion_length": 16,
                     "max_steps": steps,
                     "checkpoint_every": checkpoint_every,
+                    **hyperparameters,
+                },
+            },
+        },
+    )
+
+
+def graded_rl_job(t: Tenant, grader: dict[str, Any], **hyperparameters: Any) -> Any:
+    """A reinforcement job on four arithmetic questions graded by `grader` (each row carries its `question`
+    for the grader's templates): one step of 2 prompts x 2 answers of up to 4 tokens; `hyperparameters` over
+    those."""
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {i} + {i}?"}], "question": f"What is {i} + {i}?"}
+        for i in range(4)
+    ]
+    return t.client.fine_tuning.jobs.create(
+        model=BASE,
+        training_file=upload_rows(t, rows),
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": grader,
+                "hyperparameters": {
+                    "batch_size": 2,
+                    "num_generations": 2,
+                    "max_completion_length": 4,
+                    "max_steps": 1,
                     **hyperparameters,
                 },
             },
