@@ -6,6 +6,7 @@ migrated database of its own."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -27,6 +28,15 @@ from gateway.tinker.paths import (
     served_model_id,
     workdir_key,
 )
+
+MODEL: dict[str, Any] = {
+    "key_id": "key",
+    "base_model": "tiny-chat",
+    "rank": 4,
+    "lora_config": {"rank": 4},
+    "metadata": None,
+}
+"""The fields of a Tinker model row that no test here varies."""
 
 
 async def test_answered_requests_drop_their_data_and_are_forgotten_later(migrated_pool: asyncpg.Pool) -> None:
@@ -59,10 +69,7 @@ async def test_expired_checkpoints_go_with_their_served_model_and_files(
     pool = migrated_pool
     org = (await tenancy_store.create_org(pool, name="tinker-expiry")).id
     model_id = "ts-expiry:train:0"
-    await store.create_model(
-        pool, model_id=model_id, org_id=org, key_id="key", session_id="ts-expiry", base_model="tiny-chat",
-        rank=4, lora_config={"rank": 4}, metadata=None,
-    )  # fmt: skip
+    await store.create_model(pool, model_id=model_id, org_id=org, session_id="ts-expiry", **MODEL)
     blobs = BlobStore(tmp_path / "blobs")
     for name, ttl in (("old", 3600.0), ("kept", None)):
         key = checkpoint_key(org, model_id, SEGMENT["sampler"], name)
@@ -97,22 +104,15 @@ async def test_an_id_in_use_is_reported_and_another_organisations_rows_are_never
     pool = migrated_pool
     a = (await tenancy_store.create_org(pool, name="tinker-ids-a")).id
     b = (await tenancy_store.create_org(pool, name="tinker-ids-b")).id
-    model = {
-        "key_id": "key",
-        "base_model": "tiny-chat",
-        "rank": 4,
-        "lora_config": {"rank": 4},
-        "metadata": None,
-    }
     await store.create_session(
         pool, session_id="ts-a", org_id=a, key_id="key", tags=[], metadata=None, sdk=""
     )
     assert await store.own_session(pool, session_id="ts-a", org_id=a)
     assert not await store.own_session(pool, session_id="ts-a", org_id=b)
-    made = await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **model)
+    made = await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **MODEL)
     assert made is not None and made.seq > 0
     assert (
-        await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **model) is None
+        await store.create_model(pool, model_id="ts-a:train:0", org_id=a, session_id="ts-a", **MODEL) is None
     )
     sampler = {
         "session_id": "ts-a",
@@ -151,19 +151,12 @@ async def test_rows_made_against_the_id_policy_before_it_held_are_dropped(
     await store.create_session(
         pool, session_id="ts-a", org_id=a, key_id="key", tags=[], metadata=None, sdk=""
     )
-    model = {
-        "key_id": "key",
-        "base_model": "tiny-chat",
-        "rank": 4,
-        "lora_config": {"rank": 4},
-        "metadata": None,
-    }
     forged = {
         "ts-a:train:1": (b, "ts-a"),  # b squatting in a's session
         f"../{a}/ts-a:train:0": (b, f"../{a}/ts-a"),  # a path for a session id
     }
     for i, (model_id, (org, session)) in enumerate({"ts-a:train:0": (a, "ts-a"), **forged}.items()):
-        await store.create_model(pool, model_id=model_id, org_id=org, session_id=session, **model)
+        await store.create_model(pool, model_id=model_id, org_id=org, session_id=session, **MODEL)
         await store.add_request(
             pool,
             request_id=f"tr-{i}",
