@@ -32,7 +32,7 @@ from gateway.settings import BaseModelConfig, Settings
 from inference.vllm import VllmUnavailable
 from tests.inference.conftest import RunningServer, start_server
 from tests.support.data import BASE, MESSAGES
-from tests.support.engine import make_lora_adapter, register_model, resources_of
+from tests.support.engine import ft_model, make_lora_adapter, resources_of
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
 from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_MODEL_LEN
 from tunegate.processes import EngineProcess, free_port, wait_port
@@ -109,14 +109,6 @@ def rank32_adapter(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
 
 def _tenant(gateway: GatewayServer) -> Tenant:
     return admin_of(gateway).tenant("vllm-" + secrets.token_hex(3))
-
-
-def _ft_model(gateway: GatewayServer, org: Tenant, adapter: str | Path) -> str:
-    """A fine-tuned model of `org` on `adapter`, as the worker records one when a job succeeds."""
-    model_id = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
-    assert gateway.settings.database_url is not None
-    register_model(gateway.settings.database_url, org.org_id, model_id, str(adapter))
-    return model_id
 
 
 def _error(exc: openai.APIStatusError) -> tuple[int, dict[str, Any]]:
@@ -295,7 +287,7 @@ def test_missing_adapter_folder_is_the_servers_fault(
     the gateway both are a 500 `adapter_files_missing` (the server's state, which no retry mends), with no
     path in it."""
     org = _tenant(gateways[engine])
-    model = _ft_model(gateways[engine], org, tmp_path / "gone")
+    model = ft_model(gateways[engine], org, tmp_path / "gone")
     with pytest.raises(openai.InternalServerError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
     assert _error(info.value) == (
@@ -330,7 +322,7 @@ def test_rank_above_max_lora_rank_is_refused_before_the_engine(
     both engines (the embedded engine would load any rank), and no engine is asked."""
     gateway = gateways[engine]
     org = _tenant(gateway)
-    model = _ft_model(gateway, org, rank32_adapter)
+    model = ft_model(gateway, org, rank32_adapter)
     loads = resources_of(gateway).engines.load_count
     with pytest.raises(openai.BadRequestError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
@@ -355,7 +347,7 @@ def test_rank_above_vllms_max_lora_rank_through_a_gateway_that_does_not_know_it(
 
     gateway = gateways["vllm-unsized"]
     org = _tenant(gateway)
-    model = _ft_model(gateway, org, rank32_adapter)
+    model = ft_model(gateway, org, rank32_adapter)
     loads = resources_of(gateway).engines.load_count
     with pytest.raises(openai.BadRequestError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
@@ -382,7 +374,7 @@ def test_vllm_killed_mid_stream_is_restarted_and_serves_adapters_again(
 ) -> None:
     gateway = gateways["vllm"]
     org = _tenant(gateway)
-    model = _ft_model(gateway, org, adapter_dirs[2])
+    model = ft_model(gateway, org, adapter_dirs[2])
     first = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
     assert first.model == model
 

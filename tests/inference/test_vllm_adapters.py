@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from tests.support.data import BASE, MESSAGES
-from tests.support.engine import register_model, resources_of
+from tests.support.engine import ft_model, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, make_settings
 from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS, VLLM_MAX_MODEL_LEN
 from tunegate.vllm_process import VllmEngineProcess
@@ -64,14 +64,6 @@ def org(gateway: GatewayServer) -> Tenant:
     return admin_of(gateway).tenant("vllm-ad-" + secrets.token_hex(3))
 
 
-def _ft_model(gateway: GatewayServer, org: Tenant, adapter: str | Path) -> str:
-    """A fine-tuned model of `org` on `adapter`, as the worker records one when a job succeeds."""
-    model_id = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
-    assert gateway.settings.database_url is not None
-    register_model(gateway.settings.database_url, org.org_id, model_id, str(adapter))
-    return model_id
-
-
 def _served(vllm_server: VllmEngineProcess) -> set[str]:
     """What vLLM lists in `/v1/models`: its base model and the adapters registered with it."""
     return {m["id"] for m in httpx.get(f"{vllm_server.url}/v1/models").json()["data"]}
@@ -89,7 +81,7 @@ def test_more_adapters_than_vllm_keeps_are_used_in_turn_and_never_404(
     """Four adapters, twice what vLLM batches and caches, asked for round robin, one at a time and then
     eight at once: each gives its own greedy answer every time (its weights read again after each eviction)
     and the gateway loaded each once (no 404 sent it to load one again)."""
-    models = [_ft_model(gateway, org, path) for path in adapter_dirs]
+    models = [ft_model(gateway, org, path) for path in adapter_dirs]
     assert len(models) == 2 * VLLM_MAX_LORAS
     engines = resources_of(gateway).engines
     loads = engines.load_count
@@ -109,7 +101,7 @@ def test_deleted_model_is_unloaded_and_its_folder_serves_again(
 ) -> None:
     """Deleting a model unloads it from vLLM (gone from its `/v1/models`) and the gateway answers 404 for
     it; the same folder registered as another model is loaded again and gives the same answers."""
-    model = _ft_model(gateway, org, adapter_dirs[1])
+    model = ft_model(gateway, org, adapter_dirs[1])
     before = _answer(org, model)
     assert model in _served(vllm_server)
     assert org.client.models.delete(model).deleted is True
@@ -122,7 +114,7 @@ def test_deleted_model_is_unloaded_and_its_folder_serves_again(
     )
     assert direct.status_code == 404
 
-    again = _ft_model(gateway, org, adapter_dirs[1])
+    again = ft_model(gateway, org, adapter_dirs[1])
     assert _answer(org, again) == before
 
 
@@ -153,7 +145,7 @@ def test_usage_is_metered_from_vllms_own_usage(
     the usage chunk of every stream (`stream_options.include_usage`), and passes it on only to a client
     that asked for it. (Without it the gateway would bill an estimate: 12 prompt tokens for this chat, not
     vLLM's 35.)"""
-    model = _ft_model(gateway, org, adapter_dirs[3])
+    model = ft_model(gateway, org, adapter_dirs[3])
     kwargs: dict[str, Any] = dict(
         messages=MESSAGES, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )

@@ -12,7 +12,8 @@ import httpx
 import uvicorn
 
 from gateway.deps import Resources
-from tests.support.stack import GatewayServer
+from tests.support.data import BASE
+from tests.support.stack import GatewayServer, Tenant
 from tunegate.processes import ServerThread, free_port
 
 
@@ -106,6 +107,15 @@ def register_model(
             await conn.close()
 
     asyncio.run(run())
+
+
+def ft_model(gateway: GatewayServer, org: Tenant, adapter: str | Path) -> str:
+    """A fine-tuned model of `org` on `adapter` in `gateway`'s database, as the worker records one when a
+    job succeeds."""
+    model_id = f"ft:{BASE}:{org.org_id}::ftjob-{secrets.token_hex(6)}"
+    assert gateway.settings.database_url is not None
+    register_model(gateway.settings.database_url, org.org_id, model_id, str(adapter))
+    return model_id
 
 
 def resources_of(gateway: GatewayServer) -> Resources:
