@@ -161,6 +161,18 @@ CONTEXT_MESSAGES = {
 value=1025)` tail: `param` names the request's field)."""
 
 
+def _context_error(message: str, param: str) -> tuple[int, dict[str, Any]]:
+    return (
+        400,
+        {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": param,
+            "code": "context_length_exceeded",
+        },
+    )
+
+
 @pytest.mark.parametrize("engine", ["embedded", "vllm"])
 def test_prompt_over_the_context_is_context_length_exceeded(
     gateways: dict[str, GatewayServer], engine: str
@@ -173,27 +185,7 @@ def test_prompt_over_the_context_is_context_length_exceeded(
     with pytest.raises(openai.BadRequestError) as legacy:
         org.client.completions.create(model=BASE, prompt=LONG_TEXT, max_tokens=4)
     for info, field in ((chat, "messages"), (legacy, "prompt")):
-        assert _error(info.value) == (
-            400,
-            {
-                "message": CONTEXT_MESSAGES[engine][field],
-                "type": "invalid_request_error",
-                "param": field,
-                "code": "context_length_exceeded",
-            },
-        )
-
-
-def _context_error(message: str, param: str) -> tuple[int, dict[str, Any]]:
-    return (
-        400,
-        {
-            "message": message,
-            "type": "invalid_request_error",
-            "param": param,
-            "code": "context_length_exceeded",
-        },
-    )
+        assert _error(info.value) == _context_error(CONTEXT_MESSAGES[engine][field], field)
 
 
 @pytest.mark.parametrize("engine", ["embedded", "vllm"])
@@ -301,8 +293,16 @@ def test_missing_adapter_folder_is_the_servers_fault(
     )
 
 
-def _rank_refusal(model: str) -> tuple[int, dict[str, Any]]:
-    return (
+def _loads_for_a_rank_refused(gateway: GatewayServer, adapter: Path) -> int:
+    """Ask `gateway` for a model of a new organisation on `adapter` (rank 32, above the engines'
+    `--max-lora-rank`): assert the 400 `adapter_rank_too_large` naming rank and limit, and return how many
+    adapter loads the gateway asked of its engines meanwhile."""
+    org = _tenant(gateway)
+    model = ft_model(gateway, org, adapter)
+    loads = resources_of(gateway).engines.load_count
+    with pytest.raises(openai.BadRequestError) as info:
+        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+    assert _error(info.value) == (
         400,
         {
             "message": f"Model '{model}' cannot be served: it is a LoRA adapter of rank 32, and the inference"
@@ -312,6 +312,7 @@ def _rank_refusal(model: str) -> tuple[int, dict[str, Any]]:
             "code": "adapter_rank_too_large",
         },
     )
+    return resources_of(gateway).engines.load_count - loads
 
 
 @pytest.mark.parametrize("engine", ["embedded", "vllm"])
@@ -320,14 +321,7 @@ def test_rank_above_max_lora_rank_is_refused_before_the_engine(
 ) -> None:
     """The gateway reads the adapter's rank and holds it to `engine_max_lora_rank` itself: the same 400 on
     both engines (the embedded engine would load any rank), and no engine is asked."""
-    gateway = gateways[engine]
-    org = _tenant(gateway)
-    model = ft_model(gateway, org, rank32_adapter)
-    loads = resources_of(gateway).engines.load_count
-    with pytest.raises(openai.BadRequestError) as info:
-        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
-    assert _error(info.value) == _rank_refusal(model)
-    assert resources_of(gateway).engines.load_count == loads
+    assert _loads_for_a_rank_refused(gateways[engine], rank32_adapter) == 0
 
 
 def test_rank_above_vllms_max_lora_rank_through_a_gateway_that_does_not_know_it(
@@ -345,14 +339,7 @@ def test_rank_above_vllms_max_lora_rank_through_a_gateway_that_does_not_know_it(
     assert error["type"] == "InternalServerError"
     assert f"LoRA rank 32 is greater than max_lora_rank {VLLM_MAX_LORA_RANK}" in error["message"]
 
-    gateway = gateways["vllm-unsized"]
-    org = _tenant(gateway)
-    model = ft_model(gateway, org, rank32_adapter)
-    loads = resources_of(gateway).engines.load_count
-    with pytest.raises(openai.BadRequestError) as info:
-        org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
-    assert _error(info.value) == _rank_refusal(model)
-    assert resources_of(gateway).engines.load_count == loads + 1
+    assert _loads_for_a_rank_refused(gateways["vllm-unsized"], rank32_adapter) == 1
 
 
 # ------------------------------------------------------------------------------------- restart
