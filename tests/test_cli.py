@@ -23,6 +23,7 @@ from tests.support.stack import (
     Tenant,
     WorkerProcess,
     admin_of,
+    command_lines,
     free_port,
     make_settings,
 )
@@ -266,12 +267,4 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     # It ends with the job's page in the dashboard.
     assert re.search(rf"dashboard: +http://127\.0\.0\.1:{port}/dashboard/jobs/ftjob-[\w-]+$", text.rstrip())
     assert not stack_ready(f"http://127.0.0.1:{port}")
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(data_dir) in cmd:
-            leftovers.append(cmd)
-    assert leftovers == []
+    assert [cmd for cmd in command_lines().values() if str(data_dir) in cmd] == []

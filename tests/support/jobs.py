@@ -4,13 +4,11 @@ for trainer processes."""
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from tests.support.data import BASE, RFT, SAYS_YES
-from tests.support.stack import Tenant
+from tests.support.stack import Tenant, command_lines
 
 FINAL_STATES = ("succeeded", "failed", "cancelled")
 
@@ -49,17 +47,7 @@ def metrics_steps(t: Tenant, job_id: str) -> list[int]:
 
 def trainer_processes(job_id: str) -> list[int]:
     """Pids of `python -m trainer run` processes of this job."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "trainer run" in cmd and job_id in cmd:
-            pids.append(int(pid))
-    return pids
+    return [pid for pid, cmd in command_lines().items() if "trainer run" in cmd and job_id in cmd]
 
 
 def wait_trainer_gone(job_id: str, timeout: float = 30) -> None:

@@ -7,6 +7,7 @@ Tests drive it only over HTTP, through the official `openai` SDK and a plain htt
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ __all__ = [
     "Tenant",
     "WorkerProcess",
     "admin_of",
+    "command_lines",
     "drop_database",
     "free_port",
     "make_database",
@@ -166,3 +168,15 @@ def admin_of(gateway: GatewayServer) -> Admin:
     key = gateway.settings.admin_key
     assert key is not None
     return Admin(gateway.url, key.get_secret_value())
+
+
+def command_lines() -> dict[int, str]:
+    """The command line of every process running on the machine (its arguments joined by spaces), by pid;
+    for tests that look for what a stack left running."""
+    found: dict[int, str] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # gone since the listing
+    return found

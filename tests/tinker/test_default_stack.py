@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.stack import ROOT, free_port
+from tests.support.stack import ROOT, command_lines, free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -65,18 +65,6 @@ def _stop(stack: subprocess.Popen[bytes]) -> int:
         os.killpg(stack.pid, signal.SIGKILL)
         stack.wait()
         raise
-
-
-def _processes_naming(text: str) -> list[str]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(cmd)
-    return found
 
 
 def _run_example(name: str, root: str, key: str) -> tuple[float, float]:
@@ -129,4 +117,4 @@ def test_the_docs_tinker_examples_pass_on_a_default_tunegate_up(tmp_path: Path) 
     finally:
         code = _stop(stack)
     assert code == 0, log.read_text()[-4000:]
-    assert _processes_naming(str(data_dir)) == []
+    assert [cmd for cmd in command_lines().values() if str(data_dir) in cmd] == []
