@@ -15,8 +15,11 @@ Requests (`op`):
   row for, a value that is not a finite number) is the caller's error, never a crash of the model's device.
 - `optim_step`: Adam's `learning_rate`, `beta1`, `beta2`, `eps`, `weight_decay`, `grad_clip_norm`: one
   AdamW step with these values, then the gradients are cleared.
-- `save_state` / `load_state`: `dir`, `optimizer`: the adapter (and the optimizer's state) to or from `dir`
-  (`optimizer: "if_saved"` loads the optimizer's state when the directory holds one).
+- `save_state` / `load_state`: `dir`, `optimizer`, `grads`: the adapter (and the optimizer's state) to or
+  from `dir` (`optimizer: "if_saved"` loads the optimizer's state when the directory holds one). With
+  `grads`, also the gradients accumulated since the last `optim_step` (none when there are none): the
+  worker's own saves of a model it lets go, whose next process must step exactly as this one would have.
+  A user's checkpoint holds none, as Tinker's do not.
 - `save_sampler`: `dir`: the adapter alone in PEFT's layout, which is vLLM's LoRA contract.
 
 On CUDA the model runs in bfloat16, on the CPU in float32; the code is the same.
@@ -40,6 +43,7 @@ ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 LORA_ALPHA = 32
 OPTIMIZER_FILE = "optimizer.pt"
+GRADS_FILE = "gradients.safetensors"
 
 
 class Session:
@@ -171,8 +175,41 @@ class Session:
         out = Path(req["dir"])
         self.model.save_pretrained(str(out))
         if req.get("optimizer", True) and self.optimizer is not None:
+            # AdamW's moments and its step count (the bias correction of the next step depends on it)
             self.torch.save(self.optimizer.state_dict(), out / OPTIMIZER_FILE)
+        if req.get("grads"):
+            self._save_grads(out / GRADS_FILE)
         return {"size_bytes": _size(out)}
+
+    def _trainable(self) -> dict[str, Any]:
+        """The adapter's parameters by name: the same names in every process of the same config."""
+        return {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _save_grads(self, path: Path) -> None:
+        """The gradients `forward_backward` added since the last `optim_step`, if any (`optim_step` clears
+        them to None, so a file means work not yet stepped)."""
+        from safetensors.torch import save_file
+
+        grads = {
+            name: p.grad.detach().contiguous() for name, p in self._trainable().items() if p.grad is not None
+        }
+        if grads:
+            save_file(grads, str(path))
+
+    def _load_grads(self, path: Path) -> None:
+        """Set the gradients saved by `_save_grads`; without the file there were none to carry over."""
+        from safetensors.torch import load_file
+
+        params = self._trainable()
+        for p in params.values():
+            p.grad = None
+        if not path.exists():
+            return
+        grads = load_file(str(path), device=self.device)
+        if not grads.keys() <= params.keys():
+            raise RuntimeError(f"{path} holds gradients of other parameters than this model's adapter.")
+        for name, grad in grads.items():
+            params[name].grad = grad.to(params[name].dtype)
 
     def load_state(self, req: dict[str, Any]) -> dict[str, Any]:
         from peft.utils import set_peft_model_state_dict
@@ -189,6 +226,8 @@ class Session:
             if not state.exists():
                 raise LossInputError("This checkpoint was saved without optimizer state.")
             self._optimizer().load_state_dict(self.torch.load(state, map_location=self.device))
+        if req.get("grads"):
+            self._load_grads(src / GRADS_FILE)
         return {}
 
     def save_sampler(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,12 @@ same devices, the same fairness across organisations) and runs a `Holder`, which
 in `seq` order, writing each result to its row. While it holds the model it beats; a model whose holder
 stops beating for `stale_after_s` is lost (`gateway.tinker.futures` fails its requests, so the SDK raises
 instead of waiting). A model idle for `tinker_idle_timeout_s`, or with no open request once its session's
-client reported it finished, is saved (adapter and optimizer) and let go; its next request starts a
-process that loads that state first. A model does not keep the slot from others: once it has held it for
-`tinker_max_hold_s` (busy or not), or been idle for `tinker_yield_idle_s`, while work that the claim's fair
-order puts first waits for a device, it is saved and let go the same way after the request in hand, and its
-requests wait their turn (`gateway.worker.store.FAIREST`). A training process that dies fails the model's
+client reported it finished, is saved (adapter, optimizer and the gradients of a `forward_backward` not yet
+stepped) and let go; its next request starts a process that loads that state first, so the client's next
+`optim_step` steps on what it computed before. A model does not keep the slot from others: once it has held
+it for `tinker_max_hold_s` (busy or not), or been idle for `tinker_yield_idle_s`, while work that the claim's
+fair order puts first waits for a device, it is saved and let go the same way after the request in hand, and
+its requests wait their turn (`gateway.worker.store.FAIREST`). A training process that dies fails the model's
 open requests with its last log line and marks the model lost: the client goes on from its last saved state
 (`create_training_client_from_state`).
 """
@@ -148,7 +149,14 @@ class Holder:
             init.update(self.model.lora_config)
             await self._must(init)
             if self.model.resume_path:
-                await self._must({"op": "load_state", "dir": self.model.resume_path, "optimizer": "if_saved"})
+                await self._must(
+                    {
+                        "op": "load_state",
+                        "dir": self.model.resume_path,
+                        "optimizer": "if_saved",
+                        "grads": True,
+                    }
+                )
             return await self._serve()
         except ProcessDied as exc:
             reason = (
@@ -227,8 +235,8 @@ class Holder:
         return first is not None and first != worker_store.Work("tinker", self.model_id)
 
     async def _let_go_for_others(self, held_s: float) -> str:
-        """Save the model (adapter and optimizer, as when idle) and give its slot to the work that waits; its
-        open and later requests wait for the next holder, which loads that state first."""
+        """Save the model (as when idle: `_save_to_resume`) and give its slot to the work that waits; its open
+        and later requests wait for the next holder, which loads that state first."""
         saved = await self._save_to_resume()
         if not await worker_store.hand_back_model(
             self.pool, model_id=self.model_id, worker_id=self.worker_id, resume_path=saved
@@ -239,9 +247,12 @@ class Holder:
         return "yielded"
 
     async def _save_to_resume(self) -> str:
-        """Save the model's adapter and optimizer where its next holder resumes from; returns the path."""
+        """Save the model where its next holder resumes from; returns the path. Everything a later request
+        depends on: the adapter, the optimizer (moments and step count) and the gradients accumulated since
+        the last `optim_step`, as a client may be let go between its `forward_backward` and its step. Only
+        these saves hold gradients; a user's checkpoint (`save_weights`) does not."""
         key = checkpoint_key(self.org_id, self.model_id, "idle", "resume")
-        return await self._save("save_state", key, optimizer=True)
+        return await self._save("save_state", key, optimizer=True, grads=True)
 
     async def _wake_if_asked(self) -> None:
         """After the model was let go: when a request of it is open (it came while the model was let go, or
@@ -252,10 +263,12 @@ class Holder:
                 self.queue, self.settings.queue_name, self.model_id, time.time_ns(), function=RUN_TINKER_MODEL
             )
 
-    async def _save(self, op: str, key: str, *, optimizer: bool = False) -> str:
+    async def _save(self, op: str, key: str, *, optimizer: bool = False, grads: bool = False) -> str:
         temp = self.blobs.new_temp()
         try:
-            reply = await self.process.call({"op": op, "dir": str(temp), "optimizer": optimizer})
+            reply = await self.process.call(
+                {"op": op, "dir": str(temp), "optimizer": optimizer, "grads": grads}
+            )
             if not reply["ok"]:
                 raise RuntimeError(reply["error"])
             return str(self.blobs.put_tree(temp, key))
