@@ -51,11 +51,18 @@ def check_servable_rank(hyperparameters: BaseModel, spec: MethodSpec, max_rank: 
     """A job trains only an adapter its model can be served with: a `lora_r` above the engines' largest rank
     (`engine_max_lora_rank`) is refused at create, not after training, when serving would refuse it."""
     rank = getattr(hyperparameters, "lora_r", None)
-    if isinstance(rank, int) and rank > max_rank:
+    if isinstance(rank, int):
+        refuse_unservable_rank(rank, max_rank, field="lora_r", param=f"{spec.param}.lora_r")
+
+
+def refuse_unservable_rank(rank: int, max_rank: int, *, field: str, param: str) -> None:
+    """400 for a LoRA rank above `max_rank` (`engine_max_lora_rank`), the request's `field` at `param`: a job
+    or a Tinker model would train an adapter that serving refuses (`adapter_rank_too_large`)."""
+    if rank > max_rank:
         raise InvalidRequest(
-            f"A lora_r of {rank} is above the largest adapter rank this server serves ({max_rank}): "
-            "the fine-tuned model could not be used. Choose a lora_r of at most that.",
-            param=f"{spec.param}.lora_r",
+            f"A {field} of {rank} is above the largest adapter rank this server serves ({max_rank}): "
+            f"the fine-tuned model could not be used. Choose a {field} of at most that.",
+            param=param,
             code="invalid_value",
         )
 

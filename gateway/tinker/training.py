@@ -16,6 +16,7 @@ import orjson
 from gateway.deps import Resources
 from gateway.errors import BudgetSpent, InsufficientQuota, InvalidRequest
 from gateway.ids import new_id
+from gateway.jobs.validation import refuse_unservable_rank
 from gateway.queue import enqueue
 from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
@@ -74,8 +75,13 @@ async def _done_future(
 
 
 async def create_model(res: Resources, who: Principal, body: p.CreateModelRequest) -> dict[str, Any]:
+    """A training model; its rank at most the engines' largest (`engine_max_lora_rank`), as a job's `lora_r`:
+    the SDK allows up to 256, but sampling from an adapter of a higher rank is refused."""
     owned.known_base(res, body.base_model)
     lora = body.lora_config or p.LoraConfig()
+    refuse_unservable_rank(
+        lora.rank, res.settings.engine_max_lora_rank, field="rank", param="lora_config.rank"
+    )
     if not (lora.train_attn or lora.train_mlp):
         raise InvalidRequest("Enable train_attn or train_mlp: this server trains no other layers.")
     config = {
@@ -248,6 +254,14 @@ async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsReques
     if model_id is None:  # a new model made by loading the checkpoint (create_training_client_from_state)
         if body.session_id is None or body.model_seq_id is None:
             raise InvalidRequest("load_weights needs model_id, or session_id and model_seq_id.")
+        limit = res.settings.engine_max_lora_rank
+        if ckpt.lora_rank > limit:  # saved while the server served higher ranks than it does now
+            raise InvalidRequest(
+                f"This checkpoint's adapter has rank {ckpt.lora_rank}, above the largest adapter rank this "
+                f"server serves ({limit}): a model made from it could not be used.",
+                param="path",
+                code="invalid_value",
+            )
         model_id = await _new_model(
             res, who, body.session_id, body.model_seq_id, base_model=ckpt.base_model, rank=ckpt.lora_rank,
             lora_config=ckpt.lora_config, metadata=body.user_metadata,

@@ -20,7 +20,9 @@ import pytest
 import tinker
 from tinker import types
 
-from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path, served_model_id
+from gateway.db import create_pool
+from gateway.tinker import store as tinker_store
+from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path, served_model_id, tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
 
@@ -55,8 +57,9 @@ def org(gw_admin: Admin) -> Tenant:
 
 @pytest.fixture(scope="module")
 def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
-    client = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key)
-    yield client
+    """Closed at the end (its heartbeats stop before the gateway does)."""
+    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
+        yield client
 
 
 def total_loss(out: types.ForwardBackwardOutput) -> float:
@@ -203,6 +206,83 @@ def test_other_organisations_and_bad_requests(
         service.create_lora_training_client(base_model="no-such-model", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="Unknown loss function 'hinge'"):
         tc.forward_backward([datum(DATA[0])], "hinge").result()  # type: ignore[arg-type]
+
+
+def test_a_lora_rank_the_engines_cannot_serve_is_refused(
+    gw: GatewayServer, org: Tenant, service: tinker.ServiceClient
+) -> None:
+    """The SDK allows ranks up to 256, the engines serve adapters up to `engine_max_lora_rank`: a higher rank
+    is a 400 naming `lora_config.rank` at create (as a job's `lora_r` is), and a new model from a checkpoint
+    of such a rank (saved while the server served it) a 400 naming `path`; neither records a model. The
+    largest servable rank is taken."""
+    limit = gw.settings.engine_max_lora_rank
+    with pytest.raises(tinker.BadRequestError, match=f"A rank of {limit + 1} is above"):
+        service.create_lora_training_client(base_model="tiny-chat", rank=limit + 1).result()
+    session_id = service.holder.get_session_id()
+    http = httpx.Client(base_url=f"{gw.url}/api/v1", headers={"X-API-Key": "tml-" + org.key})
+    body = {"session_id": session_id, "model_seq_id": 9000, "base_model": "tiny-chat"}
+    refused = http.post("/create_model", json={**body, "lora_config": {"rank": 128}})
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "error": {
+            "message": f"A rank of 128 is above the largest adapter rank this server serves ({limit}): the "
+            "fine-tuned model could not be used. Choose a rank of at most that.",
+            "type": "invalid_request_error",
+            "param": "lora_config.rank",
+            "code": "invalid_value",
+        }
+    }
+
+    wide = asyncio.run(_checkpoint_of_rank(gw, org, session_id, 128))
+    with pytest.raises(tinker.BadRequestError, match="rank 128, above the largest adapter rank"):
+        service.create_training_client_from_state(wide).result()
+    refused = http.post("/load_weights", json={"session_id": session_id, "model_seq_id": 9002, "path": wide})
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "error": {
+            "message": f"This checkpoint's adapter has rank 128, above the largest adapter rank this server "
+            f"serves ({limit}): a model made from it could not be used.",
+            "type": "invalid_request_error",
+            "param": "path",
+            "code": "invalid_value",
+        }
+    }
+    assert asyncio.run(_models_of(gw, session_id, 9000)) == [f"{session_id}:train:9001"]
+
+    taken = http.post("/create_model", json={**body, "lora_config": {"rank": limit}})
+    assert taken.status_code == 200, taken.text
+    assert taken.json()["model_id"] == f"{session_id}:train:9000"
+
+
+async def _checkpoint_of_rank(gw: GatewayServer, org: Tenant, session_id: str, rank: int) -> str:
+    """A training checkpoint of a model of `rank` in the session (model 9001), as a server that served
+    adapters of that rank saved it; its `tinker://` path."""
+    assert gw.settings.database_url is not None
+    pool = await create_pool(gw.settings.database_url, max_size=1)
+    model_id = f"{session_id}:train:9001"
+    try:
+        await tinker_store.create_model(
+            pool, model_id=model_id, org_id=org.org_id, key_id=org.key_id, session_id=session_id,
+            base_model="tiny-chat", rank=rank, lora_config={"rank": rank}, metadata=None,
+        )  # fmt: skip
+        await tinker_store.add_checkpoint(
+            pool, org_id=org.org_id, model_id=model_id, kind="training", name="wide", path="/saved/wide",
+            served_model=None, with_optimizer=True, size_bytes=None, base_model="tiny-chat",
+        )  # fmt: skip
+    finally:
+        await pool.close()
+    return tinker_path(model_id, "training", "wide")
+
+
+async def _models_of(gw: GatewayServer, session_id: str, from_seq: int) -> list[str]:
+    """The session's models numbered `from_seq` and up."""
+    assert gw.settings.database_url is not None
+    conn = await asyncpg.connect(gw.settings.database_url)
+    try:
+        rows = await conn.fetch("SELECT id FROM tinker_models WHERE session_id = $1 ORDER BY id", session_id)
+    finally:
+        await conn.close()
+    return [r["id"] for r in rows if int(r["id"].rsplit(":", 1)[1]) >= from_seq]
 
 
 def test_a_session_records_how_its_client_finished(gw: GatewayServer, gw_admin: Admin, org: Tenant) -> None:
