@@ -237,9 +237,10 @@ class Settings(BaseSettings):
     so that raising the budget lets it go on) before it raises `BillingError`."""
     tinker_max_hold_s: float = Field(default=600.0, gt=0)
     """How long a worker keeps a Tinker training model on its training slot while other work (a queued job,
-    another model) waits for one and the fair order puts it first: past it, the model is saved (adapter and
-    optimizer) once the request in hand is answered and lets the slot go; its next request waits its turn
-    and loads that state. Counted from when the model was taken, busy or idle, optimizer steps included."""
+    another model) waits for one and the fair order puts it first: past it, the model is saved (adapter,
+    optimizer and the gradients of a step not taken yet) once the request in hand is answered and lets the
+    slot go; its next request waits its turn and loads that state. Counted from when the model was taken,
+    busy or idle, optimizer steps included."""
     tinker_yield_idle_s: float = Field(default=60.0, gt=0)
     """A Tinker training model with no request for this long lets its slot go as soon as other work waits
     for one, as at `tinker_max_hold_s` (with nothing waiting, `tinker_idle_timeout_s` applies)."""
