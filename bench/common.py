@@ -39,6 +39,27 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU time so far of process `pid` and every live process below it (a server's pool
+    processes do its work too)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += cpu_seconds(current)
+        except OSError:
+            continue
+        todo.extend(children.get(current, []))
+    return total
+
+
 def steal_seconds(core: int | None) -> float:
     """Time the hypervisor ran something else while `core` (all cores for None) wanted to run, so far
     (`steal` in /proc/stat; 0 on machines that do not report it)."""

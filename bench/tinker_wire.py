@@ -10,10 +10,11 @@ lists), and bodies refused at their first byte show what a body of each size cos
 decoder reads it (receiving it, the request around it).
 
 Measured twice: the decoder alone in this process (thread CPU time of one call, median and largest of
-many), and through a running gateway (`python -m tunegate gateway`, pinned to a core): the gateway
-process's own CPU time (from /proc) over many requests of the case on one kept-alive connection, divided
-by their number, so it includes the HTTP, authentication and error envelope around the decoder. Every
-answer is checked to be the 400 naming the expected field.
+many), and through a running gateway (`python -m tunegate gateway`, pinned to a core): the CPU time of the
+gateway process and its pool processes (from /proc; bodies over 4 KiB are decoded in the pool) over many
+requests of the case on one kept-alive connection, divided by their number, so it includes the HTTP,
+authentication and error envelope around the decoder. Every answer is checked to be the 400 naming the
+expected field.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.common import Options, cores, cpu_seconds, fmt
+from bench.common import Options, cores, fmt, tree_cpu_seconds
 from bench.stack import make_tenant, rig
 from gateway.tinker import wire, wire_decode, wire_fields
 
@@ -181,10 +182,10 @@ def through_gateway(opts: Options, requests: int) -> dict[str, Any]:
                 answer = http.post("/forward_backward", content=body)  # warm-up, and the check
                 error = answer.json()["error"]
                 assert answer.status_code == 400 and error["param"] == param, (name, answer.text[:300])
-                before = cpu_seconds(r.gateway.pid)
+                before = tree_cpu_seconds(r.gateway.pid)
                 for _ in range(requests):
                     http.post("/forward_backward", content=body)
-                spent = cpu_seconds(r.gateway.pid) - before
+                spent = tree_cpu_seconds(r.gateway.pid) - before
                 out[name] = {"bytes": len(body), "param": param, "kind": kind,
                              "cpu_ms_per_request": spent * 1000 / requests}  # fmt: skip
     return out
@@ -219,8 +220,9 @@ def run(opts: Options) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> list[str]:
     lines = [
         "Gateway CPU to refuse a malformed `forward_backward` with a 400 naming the field: the decoder alone "
-        f"(thread CPU, median and largest of {report['rounds']}) and the gateway process per request (its "
-        f"CPU over {report['requests']} requests of the case, HTTP and authentication included). Load "
+        f"(thread CPU, median and largest of {report['rounds']}) and the gateway with its pool processes per "
+        f"request (their CPU over {report['requests']} requests of the case, HTTP and authentication "
+        "included). Load "
         f"average {report['load_average'][0]:.1f} before, {report['load_average'][1]:.1f} after.",
         "",
         "| body | bytes | field named | decoder median / max (ms) | gateway per request (ms) |",
