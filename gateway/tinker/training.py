@@ -23,6 +23,7 @@ from gateway.tenancy.keys import Principal
 from gateway.tinker import owned, store, wire, wire_decode
 from gateway.tinker import protocol as p
 from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, sampler_id_of, valid_name
+from gateway.tinker.rows import TrainingModelRow
 from gateway.tinker.wire_fields import MAX_FIELDS
 from trainer.spec import tinker_loss_error
 
@@ -152,7 +153,20 @@ async def submit(
     worker meters it), nothing queued when over: 429 `rate_limit_exceeded` (the SDK backs off and retries),
     or, for a spent budget, 402 `insufficient_quota`: the SDK's billing status, on which it holds the loop
     for `tinker_budget_pause_s`, retrying, before it raises `BillingError`."""
-    row = await owned.model(res, who, model_id)
+    return await queue_request(res, who, await owned.model(res, who, model_id), kind, payload, tokens=tokens)
+
+
+async def queue_request(
+    res: Resources,
+    who: Principal,
+    row: TrainingModelRow,
+    kind: str,
+    payload: dict[str, Any] | store.JsonText,
+    *,
+    tokens: int = 0,
+) -> dict:
+    """`submit` for a model the caller's request already resolved to its row."""
+    model_id = row.id
     if row.lost:
         raise InvalidRequest(row.lost + " Load your last saved state into a new training client.")
     if tokens:
@@ -199,14 +213,15 @@ async def forward_backward(res: Resources, who: Principal, body: bytes) -> dict[
     loss_error = tinker_loss_error(req.loss_fn)
     if loss_error is not None:
         raise InvalidRequest(loss_error, param="loss_fn", code="unknown_loss_fn")
-    base = (await owned.model(res, who, req.model_id)).base_model
+    row = await owned.model(res, who, req.model_id)
+    base = row.base_model
     known = base in settings.base_models  # else the training process checks against its embedding
     try:
         req.check_inputs(wire_decode.vocabulary_size(settings.base_model_path(base)) if known else None)
     except wire.WireError as exc:
         raise InvalidRequest(exc.message, param=exc.param) from None
     kind = "forward" if req.forward_only else "forward_backward"
-    return await submit(res, who, req.model_id, kind, store.JsonText(payload), tokens=req.tokens)
+    return await queue_request(res, who, row, kind, store.JsonText(payload), tokens=req.tokens)
 
 
 async def optim_step(res: Resources, who: Principal, body: p.OptimStepRequest) -> dict[str, Any]:
@@ -233,8 +248,8 @@ async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRe
     `save_weights_and_get_sampling_client`, whose checkpoints are ephemeral) expires after
     `tinker_ephemeral_ttl_s`, as Tinker's do."""
     payload: dict[str, Any] = {"name": _name(body.path, "sampler"), "ttl_seconds": body.ttl_seconds}
+    row = await owned.model(res, who, body.model_id)
     if body.path is None and body.sampling_session_seq_id is not None:
-        row = await owned.model(res, who, body.model_id)
         sampler_id = sampler_id_of(
             row.session_id, owned.seq_id(body.sampling_session_seq_id, "sampling_session_seq_id")
         )
@@ -243,7 +258,7 @@ async def save_for_sampler(res: Resources, who: Principal, body: p.SaveWeightsRe
         payload["session_id"] = row.session_id
         payload["sampler_id"] = sampler_id
         payload["ttl_seconds"] = res.settings.tinker_ephemeral_ttl_s
-    return await submit(res, who, body.model_id, "save_weights_for_sampler", payload)
+    return await queue_request(res, who, row, "save_weights_for_sampler", payload)
 
 
 async def load_weights(res: Resources, who: Principal, body: p.LoadWeightsRequest) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import orjson
 
 from gateway.tinker.wire import ForwardBackwardRequest, WireError
 from gateway.tinker.wire_fields import check_fields
-from trainer.spec import tinker_required_inputs
+from trainer.spec import model_defaults, tinker_required_inputs
 
 _DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype(np.float32), 2: np.dtype(np.int64), 3: np.dtype(np.int32)}
 """DTYPE_FLOAT32, DTYPE_INT64 (what the SDK sends) and DTYPE_INT32."""
@@ -393,20 +392,6 @@ def decode_to_json(body: bytes, *, max_numbers: int) -> tuple[ForwardBackward, s
 
 
 def vocabulary_size(model_dir: Path) -> int | None:
-    """`vocab_size` of the model's `config.json` (or of its `text_config`, for a multimodal one): the
-    embedding rows and logits the training process has; None when it cannot be read. Read once per folder."""
-    key = str(model_dir)
-    if key in _vocab_sizes:
-        return _vocab_sizes[key]
-    try:
-        config = json.loads((model_dir / "config.json").read_text())
-        size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        return None  # not cached: a model folder made later is read then
-    if type(size) is not int or size <= 0:
-        return None
-    _vocab_sizes[key] = size
-    return size
-
-
-_vocab_sizes: dict[str, int] = {}
+    """The embedding rows and logits the training process has for the model in `model_dir` (its
+    `config.json`, read as the training defaults read it); None when it cannot be read."""
+    return model_defaults(model_dir).vocab_size

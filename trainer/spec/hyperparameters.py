@@ -193,6 +193,8 @@ class ModelDefaults:
     """Measured defaults per method (from the folder's ``tunegate_defaults.json``)."""
     parameters: int = 0
     """Parameters of the model, estimated from ``config.json`` (0: unknown)."""
+    vocab_size: int | None = None
+    """Rows of the embedding (``vocab_size`` of ``config.json``, or of its ``text_config``; None: unknown)."""
 
 
 def estimate_parameters(config: dict[str, Any]) -> int:
@@ -242,7 +244,13 @@ def _read_model_defaults(path: str, mtime_ns: int) -> ModelDefaults:
         learning_rates=dict(measured.get("learning_rates") or {}),
         hyperparameters=dict(measured.get("hyperparameters") or {}),
         parameters=estimate_parameters(config),
+        vocab_size=_vocab_size(config),
     )
+
+
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if type(size) is int and size > 0 else None
 
 
 def model_defaults(path: str | Path) -> ModelDefaults:
