@@ -17,7 +17,6 @@ import asyncio
 import json
 import math
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,8 @@ from gateway.tinker.training import INLINE_BODY_BYTES
 from gateway.tinker.wire import WireError
 from gateway.tinker.wire_fields import MAX_FIELDS, fields_left
 from tests.support.fixtures import gateway_fixture, worker_fixture
-from tests.support.stack import Admin, GatewayServer, Tenant, admin_of
+from tests.support.stack import GatewayServer, Tenant, admin_of
+from tests.support.tinker import datum
 
 CAP = 512 * 1024
 gw = gateway_fixture("tinker-batches", own_database=True, engine=False, max_request_body_bytes=CAP)
@@ -54,13 +54,6 @@ def batch(count: int, tokens: int) -> list[list[int]]:
     return [[rng.randrange(1, 990) for _ in range(tokens + 1)] for _ in range(count)]
 
 
-def datum(row: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(row[:-1]),
-        loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
-    )
-
-
 def one_body(rows: list[list[int]], model_id: str = "ts-0:train:0", *, nan_last: bool = False) -> bytes:
     """The whole batch as the SDK encodes one `forward_backward` request (`nan_last`: the last weight NaN)."""
     data = [datum(r) for r in rows]
@@ -76,17 +69,6 @@ def one_body(rows: list[list[int]], model_id: str = "ts-0:train:0", *, nan_last:
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
     )
     return bytes(forward_backward_request_to_proto(request).SerializeToString())
-
-
-@pytest.fixture(scope="module")
-def org(gw_admin: Admin) -> Tenant:
-    return gw_admin.tenant("tinker-batches")
-
-
-@pytest.fixture(scope="module")
-def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
-        yield client
 
 
 def in_one_request(gw: GatewayServer, rows: list[list[int]], out: Path) -> dict[str, Any]:

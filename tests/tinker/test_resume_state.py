@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,8 @@ from tinker import types
 
 from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
-from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.stack import GatewayServer, Tenant
+from tests.support.tinker import datum
 
 gw = gateway_fixture("tinker-resume", own_database=True, engine=False)
 worker = worker_fixture(
@@ -42,29 +42,11 @@ RELEASE_S = 120.0
 """Longest wait for the worker to let an idle model go: the idle timeout, a save, a loaded machine."""
 
 
-def datum(row: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(row[:-1]),
-        loss_fn_inputs={"target_tokens": row[1:], "weights": [1.0] * (len(row) - 1)},
-    )
-
-
 def raw(rows: list[list[int]]) -> list[dict[str, Any]]:
     """`rows` as the training process gets them from the worker."""
     return [
         {"tokens": r[:-1], "inputs": {"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)}} for r in rows
     ]
-
-
-@pytest.fixture(scope="module")
-def org(gw_admin: Admin) -> Tenant:
-    return gw_admin.tenant("tinker-resume")
-
-
-@pytest.fixture(scope="module")
-def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
-    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
-        yield client
 
 
 async def _holder_of(gw: GatewayServer, model_id: str) -> dict[str, Any]:

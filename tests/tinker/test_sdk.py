@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
@@ -25,6 +24,7 @@ from gateway.tinker import store as tinker_store
 from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path, served_model_id, tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.tinker import datum
 
 STALE_S = 4.0
 BUDGET_PAUSE_S = 4
@@ -40,26 +40,6 @@ DATA = [
     [5, 17, 42, 9, 33, 7, 61, 12],
     [8, 23, 4, 56, 19, 40, 11, 3],
 ]
-
-
-def datum(tokens: list[int]) -> types.Datum:
-    """Next-token prediction on `tokens`, every target weighted 1."""
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
-@pytest.fixture(scope="module")
-def org(gw_admin: Admin) -> Tenant:
-    return gw_admin.tenant("tinker")
-
-
-@pytest.fixture(scope="module")
-def service(gw: GatewayServer, org: Tenant) -> Iterator[tinker.ServiceClient]:
-    """Closed at the end (its heartbeats stop before the gateway does)."""
-    with tinker.ServiceClient(base_url=gw.url, api_key="tml-" + org.key) as client:
-        yield client
 
 
 def total_loss(out: types.ForwardBackwardOutput) -> float:
