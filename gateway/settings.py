@@ -82,10 +82,10 @@ class Settings(BaseSettings):
     engine_port: int = 8100
     """Port of the inference engine that `tunegate up` starts (vLLM serves one base model a process: the
     next base models get the ports after it)."""
-    engine: Literal["auto", "vllm", "embedded"] = "embedded"
-    """The engine `tunegate up` serves base models with: `vllm` (installed by `scripts/install-vllm`; it
-    fails to start without it), `embedded` (`python -m inference`), or `auto` (vLLM where it is installed
-    and can run, else the embedded engine)."""
+    engine: Literal["auto", "vllm", "embedded"] = "auto"
+    """The engine `tunegate up` serves base models with: `auto` (vLLM where it is installed and can run, else
+    the embedded engine, saying why), `vllm` (installed by `scripts/install`, or `scripts/install-vllm`
+    alone; it fails to start without it), or `embedded` (`python -m inference`)."""
     engine_max_loras: int = Field(default=8, ge=1)
     """Distinct adapters one engine batches together (vLLM's `--max-loras`); the embedded engine also keeps
     this many resident per base model."""
