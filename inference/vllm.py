@@ -17,10 +17,9 @@ Nothing here imports vLLM. ``tunegate.vllm_process.VllmEngineProcess`` runs the 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
-import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -83,7 +82,15 @@ def candidate_venvs() -> list[Path]:
 
 
 def _installed(venv: Path) -> tuple[str, str] | None:
-    """``(distribution, version)`` of the vLLM build in ``venv``, read from its metadata folder."""
+    """``(distribution, version)`` of the vLLM build in ``venv``, read from its metadata folder (for this
+    interpreter's own environment, from what it imports: a system Python's packages may live elsewhere)."""
+    if venv == Path(sys.prefix):
+        for dist in DISTRIBUTIONS:
+            try:
+                return dist, importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return None
     for dist in DISTRIBUTIONS:
         prefix = dist.replace("-", "_")
         for info in sorted(venv.glob(f"lib/python3*/site-packages/{prefix}-*.dist-info")):
@@ -111,13 +118,15 @@ def find_vllm(venv: Path | None = None) -> VllmInstall:
     without GPUs)."""
     venvs = [venv] if venv is not None else candidate_venvs()
     for folder in venvs:
-        found = _installed(folder) if (folder / "bin" / "python").exists() else None
+        own = folder == Path(sys.prefix)
+        python = Path(sys.executable) if own else folder / "bin" / "python"
+        found = _installed(folder) if python.exists() else None
         if found is None:
             continue
         dist, version = found
         if dist == "vllm" and gpus_listed() == 0:
             raise VllmUnavailable(f"{folder} holds vLLM's CUDA build, and nvidia-smi lists no GPU here")
-        return VllmInstall(venv=folder, python=folder / "bin" / "python", distribution=dist, version=version)
+        return VllmInstall(venv=folder, python=python, distribution=dist, version=version)
     where = ", ".join(str(v) for v in venvs)
     raise VllmUnavailable(f"vLLM is not installed in {where} (scripts/install-vllm installs it)")
 
@@ -182,29 +191,3 @@ def vllm_command(
     # Runtime updating is what makes /v1/load_lora_adapter and /v1/unload_lora_adapter exist.
     env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     return argv, env
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m inference.vllm BASE_PATH NAME [PORT]``: print the command, or run it with ``--exec``; it
-    listens on every address, for gateways on other hosts."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    run = "--exec" in args
-    args = [a for a in args if a != "--exec"]
-    if len(args) < 2:
-        raise SystemExit("usage: python -m inference.vllm BASE_PATH SERVED_NAME [PORT] [--exec]")
-    try:
-        install = find_vllm()
-    except VllmUnavailable as exc:
-        raise SystemExit(str(exc)) from None
-    port = int(args[2]) if len(args) > 2 else 8000
-    cmd, env = vllm_command(
-        args[0], args[1], python=install.python, on_cpu=install.on_cpu, host="0.0.0.0", port=port
-    )
-    if not run:
-        print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
-        return
-    os.execve(cmd[0], cmd, {**os.environ, **env})
-
-
-if __name__ == "__main__":
-    main()

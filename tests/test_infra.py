@@ -58,7 +58,19 @@ def test_compose_file() -> None:
     services = compose["services"]
     assert {"postgres", "redis", "gateway", "worker", "engine", "worker-gpu", "vllm"} <= services.keys()
     assert "cpu" in services["engine"]["profiles"] and "gpu" in services["vllm"]["profiles"]
-    assert services["vllm"]["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    # Both engine services run `tunegate engine` (vLLM's flags from the settings every process reads): the
+    # model and the port of the gateway's upstream, vLLM named outright on the GPU profile.
+    registry = yaml.safe_load(services["gateway"]["environment"]["TUNEGATE_BASE_MODELS"])
+    for name in ("engine", "vllm"):
+        command = services[name]["command"]
+        assert command[0] == "engine", command
+        model, path = command[command.index("--model") + 1].split("=", 1)
+        assert registry[model]["path"] == path
+        assert registry[model]["upstreams"] == [f"http://engine:{command[command.index('--port') + 1]}"]
+        assert services[name]["environment"]["TUNEGATE_ENGINE_MAX_LORA_RANK"] == "64"
+    assert services["vllm"]["networks"]["default"]["aliases"] == ["engine"]  # the same upstream URL
+    vllm_command = services["vllm"]["command"]
+    assert vllm_command[vllm_command.index("--engine") + 1] == "vllm"
     # env servers: a profile of their own (scaled with --scale), with the stack's Redis and settings
     env_server = services["env-server"]
     assert env_server["profiles"] == ["env-servers"] and env_server["command"][0] == "env-server"
@@ -118,6 +130,15 @@ def test_kubernetes_objects() -> None:
     service = objects[("Service", "vllm-tiny-chat")]
     port = service["spec"]["ports"][0]["port"]
     assert settings.base_models["tiny-chat"].upstreams == [f"http://vllm-tiny-chat:{port}"]
+    # vLLM is started by `tunegate engine --engine vllm` on the model's path and the Service's port, sized by
+    # the same ConfigMap the gateway reads.
+    vllm = objects[("Deployment", "vllm-tiny-chat")]["spec"]["template"]["spec"]["containers"][0]
+    args = vllm["args"]
+    assert vllm["command"] == ["tunegate", "engine"] and args[args.index("--engine") + 1] == "vllm"
+    assert args[args.index("--model") + 1] == f"tiny-chat={settings.base_models['tiny-chat'].path}"
+    assert vllm["ports"][0]["containerPort"] == int(args[args.index("--port") + 1])
+    assert {"configMapRef": {"name": "tunegate-config"}} in vllm["envFrom"]
+    assert "TUNEGATE_ENGINE_MAX_LORA_RANK" in config
     # Every Service selects pods that some Deployment labels.
     labels = [
         o["spec"]["template"]["metadata"]["labels"] for (k, _), o in objects.items() if k == "Deployment"

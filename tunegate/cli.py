@@ -60,13 +60,44 @@ def up(
     if engine_port is not None:
         overrides["engine_port"] = engine_port
     if engine is not None:
-        if engine not in ("auto", "vllm", "embedded"):
-            typer.echo(f"--engine must be auto, vllm or embedded, not {engine!r}.", err=True)
-            raise typer.Exit(2)
-        overrides["engine"] = engine
+        overrides["engine"] = _engine_option(engine)
     settings = Settings(**overrides)  # type: ignore[arg-type]
     _logging(settings)
     raise typer.Exit(run_stack(settings))
+
+
+def _engine_option(engine: str) -> str:
+    if engine not in ("auto", "vllm", "embedded"):
+        typer.echo(f"--engine must be auto, vllm or embedded, not {engine!r}.", err=True)
+        raise typer.Exit(2)
+    return engine
+
+
+@app.command()
+def engine(
+    model: Annotated[list[str], typer.Option(help="NAME=PATH of a base model (vLLM: exactly one).")],
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8100,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="vllm, embedded, or auto (vLLM where it can run); default: the engine setting."),
+    ] = None,
+) -> None:
+    """Serve base models with the engine `tunegate up` would pick, with the same TUNEGATE_ENGINE_* sizes
+    (the compose file and the Kubernetes manifests run this)."""
+    from argparse import ArgumentTypeError
+
+    from inference.__main__ import parse_models
+    from inference.vllm import VllmUnavailable
+    from tunegate.vllm_process import serve_engine
+
+    settings = Settings(**({"engine": _engine_option(engine)} if engine is not None else {}))  # type: ignore[arg-type]
+    _logging(settings)
+    try:
+        serve_engine(settings, parse_models(model), host, port)
+    except (VllmUnavailable, ValueError, ArgumentTypeError) as exc:
+        typer.echo(f"tunegate engine: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
@@ -249,6 +280,10 @@ def quickstart(
     base_url: BaseUrlOpt = None,
     keep_running: Annotated[bool, typer.Option(help="Leave the stack running afterwards.")] = False,
     engine_port: Annotated[int | None, typer.Option(help="Engine port of a stack started here.")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="What serves the models of a stack started here: vllm, embedded, or auto."),
+    ] = None,
 ) -> None:
     """Start the stack (unless one answers), train `tiny-chat` with RL on the example environment (default
     hyperparameters), score base and fine-tuned on held-out problems and draw the reward curves."""
@@ -268,6 +303,7 @@ def quickstart(
             base_url=api_base_url(settings, base_url),
             keep_running=keep_running,
             engine_port=engine_port,
+            engine=_engine_option(engine) if engine is not None else None,
         )
     except (RuntimeError, OSError, openai.APIError) as exc:
         console.print(f"[red]quickstart failed:[/red] {exc}", highlight=False)

@@ -6,6 +6,8 @@
   holding the model's memory, so the whole process group is killed before a restart and after a stop.
 - `engine_processes`: the engine processes that serve a stack's base models, by the `engine` setting
   (`embedded`, `vllm`, `auto`) and the `engine_*` sizes, each with the models it serves.
+- `serve_engine`: the same choice and sizes for one engine in the foreground (`tunegate engine`, which the
+  compose file and the Kubernetes manifests run): vLLM in this process's place, or the embedded engine.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Any, NoReturn, Self
 
 from gateway.settings import Settings
 from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, vllm_command
@@ -72,8 +75,7 @@ class VllmEngineProcess(Process):
             kv_cache_gib=kv_cache_gib,
             extra_args=extra_args,
         )
-        env = {k: v for k, v in os.environ.items() if k not in _PARENT_ENV}
-        env.update(extra_env, PYTHONUNBUFFERED="1")
+        env = _vllm_env(extra_env)
         super().__init__(
             argv, log_path, env, name=f"vllm {served_name}", cwd=cwd, die_with_parent=die_with_parent
         )
@@ -97,6 +99,37 @@ class VllmEngineProcess(Process):
         code = super().stop(timeout_s)
         self._kill_group()
         return code
+
+
+def _vllm_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment for vLLM's interpreter: without this venv's variables, with `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in _PARENT_ENV}
+    env.update(extra, PYTHONUNBUFFERED="1")
+    return env
+
+
+def vllm_sizes(settings: Settings) -> dict[str, Any]:
+    """The `engine_*` settings as `VllmEngineProcess`'s (and `vllm_command`'s) keyword arguments."""
+    return {
+        "max_loras": settings.engine_max_loras,
+        "max_cpu_loras": settings.engine_max_cpu_loras,
+        "max_lora_rank": settings.engine_max_lora_rank,
+        "max_model_len": settings.engine_max_model_len,
+        "kv_cache_gib": settings.engine_kv_cache_gib,
+    }
+
+
+def choose_vllm(settings: Settings) -> tuple[VllmInstall | None, str]:
+    """vLLM's install when the `engine` setting picks it, else `(None, why not)` (empty for `embedded`);
+    `VllmUnavailable` for `engine=vllm` where it cannot run."""
+    if settings.engine == "embedded":
+        return None, ""
+    try:
+        return find_vllm(settings.engine_vllm_venv), ""
+    except VllmUnavailable as exc:
+        if settings.engine == "vllm":
+            raise
+        return None, str(exc)
 
 
 @dataclass
@@ -126,15 +159,7 @@ def engine_processes(
     `engine_port` and the ports after it; `VllmUnavailable` when vLLM cannot run here. `auto`: vLLM where it
     can run, else the embedded engine (`reason` says why).
     """
-    install: VllmInstall | None = None
-    reason = ""
-    if settings.engine != "embedded":
-        try:
-            install = find_vllm(settings.engine_vllm_venv)
-        except VllmUnavailable as exc:
-            if settings.engine == "vllm":
-                raise
-            reason = str(exc)
+    install, reason = choose_vllm(settings)
     if install is None:
         log = log_dir / "engine.log" if log_dir is not None else None
         embedded = EngineProcess(
@@ -156,12 +181,8 @@ def engine_processes(
                 name,
                 settings.engine_port + i,
                 log_dir / f"vllm-{name}.log" if log_dir is not None else None,
-                max_loras=settings.engine_max_loras,
-                max_cpu_loras=settings.engine_max_cpu_loras,
-                max_lora_rank=settings.engine_max_lora_rank,
-                max_model_len=settings.engine_max_model_len,
-                kv_cache_gib=settings.engine_kv_cache_gib,
                 die_with_parent=die_with_parent,
+                **vllm_sizes(settings),
             )
             processes.append(vllm)
             served_by[name] = vllm.url
@@ -170,3 +191,43 @@ def engine_processes(
             process.stop()
         raise
     return EngineChoice("vllm", processes, served_by)
+
+
+def serve_engine(settings: Settings, models: Mapping[str, str], host: str, port: int) -> NoReturn:
+    """Serve `models` (name -> local folder) on `host`:`port` in the foreground with the engine the `engine`
+    setting picks and the `engine_*` sizes, exactly as `tunegate up` would: vLLM replaces this process (one
+    base model a vLLM), the embedded engine runs here. Says which on stderr; `VllmUnavailable` for
+    `engine=vllm` where it cannot run, `ValueError` for several models on vLLM."""
+    install, reason = choose_vllm(settings)
+    if install is None:
+        from inference.__main__ import serve
+
+        if reason:
+            print(f"vLLM is not used: {reason}", file=sys.stderr, flush=True)
+        print(
+            f"{', '.join(models)}: served by the embedded engine on {host}:{port}",
+            file=sys.stderr,
+            flush=True,
+        )
+        serve(
+            dict(models),
+            host,
+            port,
+            settings.engine_max_loras,
+            max_model_len=settings.engine_max_model_len,
+            log_level=settings.log_level,
+        )
+        raise SystemExit(0)
+    if len(models) != 1:
+        raise ValueError(f"vLLM serves one base model a process, not {len(models)}: run one engine a model")
+    ((name, path),) = models.items()
+    argv, extra = vllm_command(
+        path, name, python=install.python, on_cpu=install.on_cpu, host=host, port=port, **vllm_sizes(settings)
+    )
+    build = "CPU" if install.on_cpu else "CUDA"
+    print(
+        f"{name}: served by vLLM {install.version} ({build} build) on {host}:{port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execve(argv[0], argv, _vllm_env(extra))

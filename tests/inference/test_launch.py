@@ -4,15 +4,23 @@ line."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
 from gateway.settings import Settings
 from inference.__main__ import parse_models
 from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, gpus_listed, vllm_command
+from tunegate.processes import free_port
 
 
 def _qwen2_dir(tmp_path: Path) -> Path:
@@ -118,3 +126,87 @@ def test_parse_models() -> None:
     assert parse_models(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
     with pytest.raises(argparse.ArgumentTypeError):
         parse_models(["nopath"])
+
+
+TUNEGATE = Path(sys.executable).with_name("tunegate")
+
+
+def _engine_command(tmp_path: Path, model: Path, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """`tunegate engine` serving `model` as tiny-chat, its output in tmp_path/engine.log."""
+    argv = [str(TUNEGATE), "engine", "--model", f"tiny-chat={model}", "--port", str(port)]
+    log = (tmp_path / "engine.log").open("wb")
+    return subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+
+
+def test_tunegate_engine_starts_vllm_in_its_place_with_the_engine_settings(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """What the compose file and the Kubernetes manifests run: vLLM replaces the process (same pid), with
+    the sizes of the TUNEGATE_ENGINE_* settings that the gateway reads too."""
+    try:
+        install = find_vllm()
+    except VllmUnavailable as exc:
+        pytest.skip(str(exc))
+    proc = _engine_command(
+        tmp_path,
+        tiny_model_dir,
+        free_port(),
+        TUNEGATE_ENGINE="vllm",
+        TUNEGATE_ENGINE_MAX_LORAS="3",
+        TUNEGATE_ENGINE_MAX_LORA_RANK="16",
+        TUNEGATE_ENGINE_MAX_MODEL_LEN="512",
+    )
+    try:
+        cmdline: list[str] = []
+        deadline = time.monotonic() + 60
+        while "vllm.entrypoints.openai.api_server" not in cmdline and time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode().split("\0")
+            time.sleep(0.1)
+        assert cmdline[0] == str(install.python), cmdline
+        assert _flags(
+            cmdline, "--served-model-name", "--max-loras", "--max-lora-rank", "--max-model-len"
+        ) == {
+            "--served-model-name": "tiny-chat",
+            "--max-loras": "3",
+            "--max-lora-rank": "16",
+            "--max-model-len": "512",
+        }
+        assert "--enable-lora" in cmdline and _flags(cmdline, "--tool-call-parser") == {
+            "--tool-call-parser": "hermes"
+        }
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in environ
+    finally:
+        _stop(proc)
+    assert "tiny-chat: served by vLLM" in (tmp_path / "engine.log").read_text()
+
+
+def test_tunegate_engine_falls_back_to_the_embedded_engine_and_says_why(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    port = free_port()
+    proc = _engine_command(tmp_path, tiny_model_dir, port, TUNEGATE_ENGINE_VLLM_VENV=str(tmp_path / "none"))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "engine.log").read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-chat"]
+    finally:
+        _stop(proc)
+    log = (tmp_path / "engine.log").read_text()
+    assert f"vLLM is not used: vLLM is not installed in {tmp_path / 'none'}" in log
+    assert "tiny-chat: served by the embedded engine" in log
