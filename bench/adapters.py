@@ -1,29 +1,72 @@
-"""Adapters on the embedded engine (tiny-chat, CPU): cold adapter load time, first token of a freshly loaded
-adapter, and generation throughput with 1, 8 and 32 distinct adapters in flight relative to the base model
-alone (same requests, same lengths, same run).
+"""Adapters on both engines side by side: the embedded engine (`python -m inference`) and vLLM (its CPU
+build where that is what is installed), each started as `tunegate up` starts it, measured over HTTP in one
+run on the same model (tiny-chat, float32) and the same adapters (rank 8 on every linear layer, random B).
+
+- Throughput: `REQUESTS` chats of exactly `MAX_TOKENS` tokens (`ignore_eos`), `IN_FLIGHT` at a time, to the
+  base model alone and spread over 1, 8 and 32 distinct adapters (both engines batch `MAX_LORAS` adapters).
+- Cold adapter load: `POST /v1/load_lora_adapter` of an adapter the engine has never seen, until the first
+  streamed token from it (the load call alone too); p50/p99 over several adapters.
+- Job `succeeded` -> first streamed token of its `ft:` model: a gateway and a worker in front of each
+  engine; a supervised job of a few steps, polled every 50 ms; the first token streamed through the gateway.
+
+The machine is shared, so the engines take turns and never generate at once: every repetition of every row
+runs on the embedded engine, then on vLLM, then the next (the same for cold loads and jobs), so a drift of
+load hits both; the figures are medians, and each row's ratio embedded/vLLM is of medians. The CPU time an
+engine spent while the other one was measured is reported (it should be about nothing). Where vLLM is not
+installed, the embedded engine is measured alone and the report says why vLLM was left out.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import statistics
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from bench.common import Options, ratio, summary_ms
+from bench.common import Options, fmt, ratio, summary_ms
+from bench.engines import (
+    BASE,
+    EngineStack,
+    cold_load,
+    http_client,
+    job_to_first_token,
+    load_adapter,
+    start_engine,
+    start_front,
+    throughput,
+    upload_rows,
+    vllm_label,
+)
+from inference.vllm import VllmUnavailable, find_vllm
 
 logger = logging.getLogger(__name__)
 
+REQUESTS, IN_FLIGHT, MAX_TOKENS = 128, 32, 32
+ADAPTER_COUNTS = (1, 8, 32)
+MAX_LORAS = 32
+"""`--max-loras` of both engines (`engine_max_loras`): the most distinct adapters in one round."""
+RANK = 8
+REPETITIONS = 3
+COLD_LOADS = 8
+JOBS, JOB_STEPS = 3, 2
 
-def tiny_model(workdir: Path) -> Path:
-    from trainer.tiny import make_tiny_model
+QUICK = {
+    "requests": 8,
+    "in_flight": 4,
+    "max_tokens": 4,
+    "counts": (1, 4),
+    "repetitions": 1,
+    "cold": 2,
+    "jobs": 1,
+}
+"""The smoke test's sizes; vLLM is left out (its start alone takes a minute or more on a busy machine)."""
 
-    return Path(make_tiny_model(workdir / "tiny-chat"))
 
-
-def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = 8) -> list[Path]:
-    """`count` LoRA adapters with random B matrices (each changes the outputs), made from one PEFT model."""
+def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = RANK) -> list[Path]:
+    """`count` LoRA adapters of `rank` on every linear layer, each with random B matrices of its own (so each
+    changes the outputs), made from one PEFT model."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -33,7 +76,7 @@ def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = 8) -> 
         return paths
     model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(base_dir),
-        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"]),
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"),
     )
     for i, path in enumerate(paths):
         torch.manual_seed(1000 + i)
@@ -45,107 +88,254 @@ def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = 8) -> 
     return paths
 
 
-async def _generate(
-    engine: Any, prompt: list[int], adapter: str | None, max_tokens: int, seed: int
-) -> tuple[int, float]:
-    """(tokens generated, seconds to the first token) of one request."""
-    from inference.engine import GenerationRequest
-    from inference.sampling import SamplingParams
-
-    req = GenerationRequest(prompt_ids=list(prompt), params=SamplingParams(max_tokens=max_tokens, seed=seed))
-    req.adapter = engine.resolve(adapter) if adapter else None
-    t0 = time.perf_counter()
-    first: float | None = None
-    tokens = 0
-    async for event in engine.submit(req).events():
-        if event.token_ids and first is None:
-            first = time.perf_counter() - t0
-        tokens += len(event.token_ids)
-    return tokens, first if first is not None else float("nan")
-
-
-async def _throughput(
-    engine: Any, prompt: list[int], names: list[str | None], n: int, max_tokens: int
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    results = await asyncio.gather(
-        *(_generate(engine, prompt, names[i % len(names)], max_tokens, seed=i) for i in range(n))
-    )
-    elapsed = time.perf_counter() - t0
-    tokens = sum(r[0] for r in results)
-    return {
-        "requests": n,
-        "distinct_models": len(set(names)),
-        "tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "ttft": summary_ms([r[1] for r in results]),
-    }
-
-
-async def _run(opts: Options) -> dict[str, Any]:
-    from inference.engine import ModelEngine
-
-    work = opts.workdir / "adapters"
-    base = tiny_model(work)
-    counts = [1, 4] if opts.quick else [1, 8, 32]
-    paths = make_adapters(base, work / "loras", max(counts) + 1)
-    n = 8 if opts.quick else 64
-    max_tokens = 4 if opts.quick else 24
-    engine = ModelEngine("tiny-chat", str(base), max_loras=max(counts) + 1, max_batch_size=32, device="cpu")
-    engine.start()
+def vllm_or_reason(opts: Options) -> tuple[bool, str]:
+    """Whether vLLM is measured, and why not where it is not."""
+    if opts.quick:
+        return False, "quick mode leaves vLLM out (its start alone takes a minute or more on a busy machine)"
     try:
-        prompt: list[int] = list(engine.tokenizer.encode("user: Tell me about the sea.\nassistant:"))
-        await _throughput(engine, prompt, [None], 4, 2)  # warm-up
-        # a cold adapter: loaded from disk, then its first token
-        t0 = time.perf_counter()
-        await asyncio.to_thread(engine.load_adapter, "cold", str(paths[-1]))
-        load_s = time.perf_counter() - t0
-        _, first_token_s = await _generate(engine, prompt, "cold", 2, seed=0)
-        base_first = (await _generate(engine, prompt, None, 2, seed=0))[1]
-        loads = []
-        for i, path in enumerate(paths[: max(counts)]):
-            t0 = time.perf_counter()
-            await asyncio.to_thread(engine.load_adapter, f"lora{i}", str(path))
-            loads.append(time.perf_counter() - t0)
-        await _throughput(engine, prompt, [None], n, max_tokens)  # warm the batched path at full size
-        base_point = await _throughput(engine, prompt, [None], n, max_tokens)
-        points = []
-        for k in counts:
-            point = await _throughput(engine, prompt, [f"lora{i}" for i in range(k)], n, max_tokens)
-            point["vs_base"] = ratio(point["tokens_per_s"], base_point["tokens_per_s"])
-            points.append(point)
-    finally:
-        await engine.stop()
+        find_vllm()
+    except VllmUnavailable as exc:
+        return False, str(exc)
+    return True, ""
+
+
+async def _in_turns(
+    stacks: list[EngineStack],
+    repetitions: int,
+    measure: Callable[[EngineStack, int], Awaitable[Any]],
+    idle_cpu: dict[str, float],
+) -> dict[str, list[Any]]:
+    """`measure(stack, repetition)` for every repetition, the stacks in turn within each; the CPU time the
+    other engines spent meanwhile is added to `idle_cpu` (by kind)."""
+    out: dict[str, list[Any]] = {s.kind: [] for s in stacks}
+    for rep in range(repetitions):
+        for stack in stacks:
+            others = [s for s in stacks if s is not stack]
+            before = [s.cpu_seconds() for s in others]
+            out[stack.kind].append(await measure(stack, rep))
+            for other, cpu in zip(others, before, strict=True):
+                idle_cpu[other.kind] = idle_cpu.get(other.kind, 0.0) + other.cpu_seconds() - cpu
+    return out
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "engine": "embedded engine, tiny-chat, CPU, max_batch_size 32",
-        "cold_load_s": load_s,
-        "cold_first_token_ms": first_token_s * 1000,
-        "base_first_token_ms": base_first * 1000,
-        "load": summary_ms(loads),
-        "base": base_point,
-        "points": points,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "tokens": sum(r["tokens"] for r in runs),
+        "every_request_exact": all(r["every_request_exact"] for r in runs),
+        "request_p50_s": statistics.median(r["request_p50_s"] for r in runs),
     }
+
+
+async def _measure_engines(
+    stacks: list[EngineStack], adapters: list[Path], sizes: dict[str, Any], idle_cpu: dict[str, float]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    counts: tuple[int, ...] = sizes["counts"]
+    async with http_client(sizes["in_flight"]) as http:
+        for stack in stacks:  # the throughput rounds' adapters, loaded once on each engine
+            for i in range(max(counts)):
+                await load_adapter(http, stack.url, f"lora{i}", adapters[i])
+        rows = []
+        for count in (0, *counts):
+            models = [BASE] if count == 0 else [f"lora{i}" for i in range(count)]
+
+            async def round_of(stack: EngineStack, rep: int, models: list[str] = models) -> dict[str, Any]:
+                return await throughput(
+                    http,
+                    stack.url,
+                    models,
+                    requests=sizes["requests"],
+                    in_flight=sizes["in_flight"],
+                    max_tokens=sizes["max_tokens"],
+                )
+
+            await _in_turns(stacks, 1, round_of, idle_cpu)  # warm-up: each engine's first batches of this mix
+            runs = await _in_turns(stacks, sizes["repetitions"], round_of, idle_cpu)
+            row: dict[str, Any] = {"adapters": count, **{k: _median_row(v) for k, v in runs.items()}}
+            if "vllm" in row:
+                row["embedded_vs_vllm"] = ratio(row["embedded"]["tokens_per_s"], row["vllm"]["tokens_per_s"])
+            rows.append(row)
+        cold_paths = adapters[max(counts) :]
+
+        async def cold(stack: EngineStack, rep: int) -> dict[str, float]:
+            return await cold_load(http, stack.url, f"cold{rep}", cold_paths[rep])
+
+        colds = await _in_turns(stacks, len(cold_paths), cold, idle_cpu)
+    cold_report: dict[str, Any] = {
+        kind: {
+            "load": summary_ms([r["load_s"] for r in runs]),
+            "load_to_first_token": summary_ms([r["load_to_first_token_s"] for r in runs]),
+        }
+        for kind, runs in colds.items()
+    }
+    if "vllm" in cold_report:
+        cold_report["embedded_vs_vllm_p50"] = ratio(
+            cold_report["embedded"]["load_to_first_token"]["p50_ms"],
+            cold_report["vllm"]["load_to_first_token"]["p50_ms"],
+        )
+    for row in rows:
+        base = next(r for r in rows if r["adapters"] == 0)
+        for kind in colds:
+            row[kind]["vs_base"] = ratio(row[kind]["tokens_per_s"], base[kind]["tokens_per_s"])
+    return rows, cold_report
+
+
+async def _jobs(
+    stacks: list[EngineStack], samples: int, steps: int, idle_cpu: dict[str, float]
+) -> dict[str, Any]:
+    files = {s.kind: await asyncio.to_thread(upload_rows, s) for s in stacks}
+
+    async def job(stack: EngineStack, rep: int) -> dict[str, Any]:
+        return await asyncio.to_thread(job_to_first_token, stack, files[stack.kind], steps)
+
+    runs = await _in_turns(stacks, samples, job, idle_cpu)
+    out: dict[str, Any] = {
+        kind: {
+            "success_to_first_token": summary_ms([r["success_to_first_token_s"] for r in v]),
+            "samples_ms": [r["success_to_first_token_s"] * 1000 for r in v],
+            "job_s_median": statistics.median(r["job_s"] for r in v),
+            "model": v[0]["model"],
+        }
+        for kind, v in runs.items()
+    }
+    if "vllm" in out:
+        out["embedded_vs_vllm_p50"] = ratio(
+            out["embedded"]["success_to_first_token"]["p50_ms"],
+            out["vllm"]["success_to_first_token"]["p50_ms"],
+        )
+    out["steps"] = steps
+    return out
+
+
+def _goal(rows: list[dict[str, Any]], with_vllm: bool) -> dict[str, Any]:
+    """The engine `tunegate up` picks here (`engine: auto`: vLLM where installed and able to run) against
+    vLLM's rate, over every row: the goal is at least 1.0x."""
+    try:
+        picked = vllm_label(find_vllm())
+        engine = "vllm"
+    except VllmUnavailable:
+        picked, engine = "the embedded engine", "embedded"
+    if not with_vllm:
+        return {"engine": engine, "picked": picked, "min_vs_vllm": None, "met": None}
+    key = "vllm" if engine == "vllm" else "embedded"
+    least = min(ratio(r[key]["tokens_per_s"], r["vllm"]["tokens_per_s"]) or 0.0 for r in rows)
+    return {"engine": engine, "picked": picked, "min_vs_vllm": least, "met": least >= 1.0}
 
 
 def run(opts: Options) -> dict[str, Any]:
-    return asyncio.run(_run(opts))
+    from trainer.tiny import make_tiny_model
+
+    sizes: dict[str, Any] = (
+        QUICK
+        if opts.quick
+        else {
+            "requests": REQUESTS,
+            "in_flight": IN_FLIGHT,
+            "max_tokens": MAX_TOKENS,
+            "counts": ADAPTER_COUNTS,
+            "repetitions": REPETITIONS,
+            "cold": COLD_LOADS,
+            "jobs": JOBS,
+        }
+    )
+    work = opts.workdir / "adapters"
+    base = Path(make_tiny_model(work / "tiny-chat"))
+    adapters = make_adapters(base, work / "loras", max(sizes["counts"]) + sizes["cold"])
+    with_vllm, skipped = vllm_or_reason(opts)
+    kinds = ["embedded", "vllm"] if with_vllm else ["embedded"]
+    idle_cpu: dict[str, float] = {}
+    stacks: list[EngineStack] = []
+    try:
+        for kind in kinds:  # started together (neither generates yet), waited for in turn
+            stacks.append(start_engine(kind, base, work / kind, max_loras=MAX_LORAS))
+        for stack in stacks:
+            start_front(stack)
+        rows, cold = asyncio.run(_measure_engines(stacks, adapters, sizes, idle_cpu))
+        jobs = asyncio.run(_jobs(stacks, sizes["jobs"], JOB_STEPS, idle_cpu))
+        engines = {s.kind: s.label for s in stacks}
+    finally:
+        for stack in stacks:
+            stack.stop()
+    return {
+        "model": f"{BASE}, float32",
+        "adapter_rank": RANK,
+        "max_loras": MAX_LORAS,
+        "requests": sizes["requests"],
+        "in_flight": sizes["in_flight"],
+        "max_tokens": sizes["max_tokens"],
+        "repetitions": sizes["repetitions"],
+        "engines": engines,
+        "vllm_skipped": skipped or None,
+        "rows": rows,
+        "cold_load": cold,
+        "jobs": jobs,
+        "idle_cpu_s": idle_cpu,
+        "goal": _goal(rows, with_vllm),
+    }
+
+
+def _cell(row: dict[str, Any], kind: str) -> str:
+    side = row.get(kind)
+    return "-" if side is None else f"{side['tokens_per_s']:.0f} ({fmt(side['vs_base'])})"
 
 
 def markdown(report: dict[str, Any]) -> list[str]:
-    b = report["base"]
+    engines = report["engines"]
     lines = [
-        f"{report['engine']}. Cold adapter load {report['cold_load_s'] * 1000:.1f} ms (loads of the rest: "
-        f"p50 {report['load']['p50_ms']:.1f} ms); first token on it {report['cold_first_token_ms']:.1f} ms "
-        f"vs {report['base_first_token_ms']:.1f} ms on the base model.",
-        "",
-        "| models in flight | requests | tokens/s | vs base | TTFT p50 ms |",
-        "|---|---|---|---|---|",
-        f"| base only | {b['requests']} | {b['tokens_per_s']:.0f} | 1.00 | {b['ttft']['p50_ms']:.1f} |",
+        f"{' and '.join(engines.values())}, each started as `tunegate up` starts it with `--max-loras "
+        f"{report['max_loras']}`, on {report['model']}, adapters of rank {report['adapter_rank']} on every "
+        f"linear layer. {report['requests']} chats of exactly {report['max_tokens']} tokens (`ignore_eos`), "
+        f"{report['in_flight']} in flight, over HTTP to the engine; the engines take turns (never generating "
+        f"at once), {report['repetitions']} repetitions interleaved; medians.",
     ]
-    for p in report["points"]:
+    if report["vllm_skipped"]:
+        lines += ["", f"vLLM left out: {report['vllm_skipped']}."]
+    lines += [
+        "",
+        "| models in flight | embedded tok/s (vs base) | vLLM tok/s (vs base) | embedded / vLLM "
+        "| every request exact |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["rows"]:
+        name = "base only" if row["adapters"] == 0 else f"{row['adapters']} adapters"
+        exact = all(row[k]["every_request_exact"] for k in engines)
         lines.append(
-            f"| {p['distinct_models']} adapters | {p['requests']} | {p['tokens_per_s']:.0f} "
-            f"| {p['vs_base']:.2f} | {p['ttft']['p50_ms']:.1f} |"
+            f"| {name} | {_cell(row, 'embedded')} | {_cell(row, 'vllm')} "
+            f"| {fmt(row.get('embedded_vs_vllm'))} | {exact} |"
+        )
+    cold, jobs = report["cold_load"], report["jobs"]
+
+    def pair(part: dict[str, Any], kind: str, key: str) -> str:
+        side = part.get(kind)
+        return "-" if side is None else f"{side[key]['p50_ms']:.0f} / {side[key]['p99_ms']:.0f}"
+
+    timings = [
+        ("cold adapter: the load call", cold, "load", None),
+        ("cold adapter: load -> first token", cold, "load_to_first_token", cold.get("embedded_vs_vllm_p50")),
+        (
+            "job `succeeded` -> first token of its `ft:` model, through the gateway",
+            jobs,
+            "success_to_first_token",
+            jobs.get("embedded_vs_vllm_p50"),
+        ),
+    ]
+    lines += ["", "| ms, p50 / p99 | n | embedded | vLLM | embedded / vLLM (p50) |", "|---|---|---|---|---|"]
+    for name, part, key, part_ratio in timings:
+        sides = " | ".join(pair(part, kind, key) for kind in ("embedded", "vllm"))
+        lines.append(f"| {name} | {part['embedded'][key]['n']} | {sides} | {fmt(part_ratio)} |")
+    idle = ", ".join(f"{k} {v:.1f} s" for k, v in report["idle_cpu_s"].items())
+    goal = report["goal"]
+    lines += [""]
+    if idle:
+        lines.append(f"CPU time of an engine while the other was measured: {idle}.")
+    if goal["met"] is None:
+        lines.append(
+            f"Goal (the engine `tunegate up` picks here, {goal['picked']}, at >= 1.0x vLLM): not measured."
+        )
+    else:
+        lines.append(
+            f"Goal: the engine `tunegate up` picks here ({goal['picked']}) serves at least 1.0x vLLM's rate: "
+            f"{'met' if goal['met'] else 'NOT met'} (lowest row {goal['min_vs_vllm']:.2f}x)."
         )
     return lines
