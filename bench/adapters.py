@@ -64,6 +64,13 @@ QUICK = {
 """The smoke test's sizes; vLLM is left out (its start alone takes a minute or more on a busy machine)."""
 
 
+def tiny_model(workdir: Path) -> Path:
+    """tiny-chat in `workdir/tiny-chat` (made there when missing)."""
+    from trainer.tiny import make_tiny_model
+
+    return Path(make_tiny_model(workdir / "tiny-chat"))
+
+
 def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = RANK) -> list[Path]:
     """`count` LoRA adapters of `rank` on every linear layer, each with random B matrices of its own (so each
     changes the outputs), made from one PEFT model."""
@@ -224,8 +231,6 @@ def _goal(rows: list[dict[str, Any]], with_vllm: bool) -> dict[str, Any]:
 
 
 def run(opts: Options) -> dict[str, Any]:
-    from trainer.tiny import make_tiny_model
-
     sizes: dict[str, Any] = (
         QUICK
         if opts.quick
@@ -240,7 +245,7 @@ def run(opts: Options) -> dict[str, Any]:
         }
     )
     work = opts.workdir / "adapters"
-    base = Path(make_tiny_model(work / "tiny-chat"))
+    base = tiny_model(work)
     adapters = make_adapters(base, work / "loras", max(sizes["counts"]) + sizes["cold"])
     with_vllm, skipped = vllm_or_reason(opts)
     kinds = ["embedded", "vllm"] if with_vllm else ["embedded"]
