@@ -14,6 +14,7 @@ import pytest
 from rich.console import Console
 
 from gateway.settings import Settings
+from inference.vllm import VllmUnavailable, find_vllm
 from tests.support.data import SFT
 from tests.support.fixtures import worker_fixture
 from tests.support.stack import (
@@ -264,6 +265,14 @@ def test_quickstart_end_to_end(tmp_path: Path) -> None:
     assert tuned >= base + 25, text[-3000:]
     assert (data_dir / "quickstart" / "reward.png").read_bytes()[:4] == b"\x89PNG"
     assert (data_dir / "admin_key").exists() and "the stack was stopped" in text
+    # It names the engine that served, and the other one: vLLM where it can run here (scripts/install puts
+    # it in .venv-vllm), else the embedded engine.
+    try:
+        find_vllm()
+        engine = r"vLLM \S+ \((CPU|CUDA) build\); --engine embedded serves it"
+    except VllmUnavailable:
+        engine = r"the embedded engine; (vLLM is not used: |--engine vllm serves it)"
+    assert re.search(rf"engine: +tiny-chat is served by {engine}", text), text[:3000]
     # It ends with the job's page in the dashboard.
     assert re.search(rf"dashboard: +http://127\.0\.0\.1:{port}/dashboard/jobs/ftjob-[\w-]+$", text.rstrip())
     assert not stack_ready(f"http://127.0.0.1:{port}")

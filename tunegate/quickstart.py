@@ -1,10 +1,12 @@
 """`tunegate quickstart`: the newcomer's first minutes, end to end through the public API.
 
-Starts the stack (`tunegate up` in a child process) unless one already answers, makes an organisation and a
-key with the admin API, packs and uploads the arithmetic example environment with its tasks and its held-out
-problems, and runs a reinforcement-learning job on `tiny-chat` with the default hyperparameters and live
-progress. Then it measures what training did: one eval (OpenAI's Evals API) scores the base model and the
-fine-tuned model on held-out problems that training never saw, and it prints
+Starts the stack (`tunegate up` in a child process, `--engine` passed on) unless one already answers, says
+which engine serves `tiny-chat` (vLLM where it is installed, else the embedded engine) and how to choose the
+other, makes an organisation and a key with the admin API, packs and uploads the arithmetic example
+environment with its tasks and its held-out problems, and runs a reinforcement-learning job on `tiny-chat`
+with the default hyperparameters and live progress. Then it measures what training did: one eval (OpenAI's
+Evals API) scores the base model and the fine-tuned model on held-out problems that training never saw, and
+it prints
 `held-out exact answers: base X% -> fine-tuned Y%`, a table of answers, and the train and validation reward
 curves (in the terminal, and as a PNG in the data dir). Any failure stops the tour with its cause.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +49,8 @@ EXACT = {
     "operation": "eq",
 }
 """The held-out eval's criterion: the answer is exactly the number."""
+SERVED_BY = re.compile(r"^(?P<models>.+): served by (?P<engine>.+) at (?P<url>https?://\S+)$")
+"""A line of `tunegate up` naming the engine that serves some base models."""
 
 
 class QuickstartError(RuntimeError):
@@ -75,12 +80,22 @@ class StackProcess(Process):
     """`tunegate up` as a child process in its own session, its output in `stack.log` of the data dir."""
 
     @classmethod
-    def start(cls, *, data_dir: Path, host: str, port: int, engine_port: int | None = None) -> StackProcess:
+    def start(
+        cls,
+        *,
+        data_dir: Path,
+        host: str,
+        port: int,
+        engine_port: int | None = None,
+        engine: str | None = None,
+    ) -> StackProcess:
         data_dir.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "tunegate", "up", "--data-dir", str(data_dir)]
         argv += ["--host", host, "--port", str(port)]
         if engine_port is not None:
             argv += ["--engine-port", str(engine_port)]
+        if engine is not None:
+            argv += ["--engine", engine]
         # stopping waits for the stack to stop its worker, engine and databases
         stack = cls(argv, data_dir / "stack.log", name="tunegate up", cwd=REPO_ROOT, stop_timeout_s=90.0)
         logger.info("started tunegate up (pid %s), log in %s", stack.pid, stack.log_path)
@@ -89,6 +104,29 @@ class StackProcess(Process):
     def wait_ready(self, root: str, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Wait until `/readyz` answers 200; raises `RuntimeError` when the stack exits or time runs out."""
         self.wait_http(f"{root}/readyz", timeout_s, status=200)
+
+    def engines(self) -> list[str]:
+        """What the stack said about its engines once they were ready (`tunegate.stack._say_engines`): a
+        `MODEL: served by ENGINE at URL` line for each engine, after `vLLM is not used: WHY` where `auto`
+        fell back to the embedded engine."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [line for line in lines if SERVED_BY.match(line) or line.startswith("vLLM is not used: ")]
+
+
+def engine_summary(lines: list[str]) -> str:
+    """One sentence from `StackProcess.engines`: what serves `tiny-chat` and how to choose the other engine
+    (empty when the lines name no engine)."""
+    served = {m["models"]: m["engine"] for line in lines if (m := SERVED_BY.match(line))}
+    engine = next((e for models, e in served.items() if BASE_MODEL in models.split(", ")), None)
+    if engine is None:
+        return ""
+    if engine.startswith("vLLM"):
+        return f"{BASE_MODEL} is served by {engine}; --engine embedded serves it with tunegate's own engine"
+    why = next((line for line in lines if line.startswith("vLLM is not used: ")), "")
+    other = why or "--engine vllm serves it with vLLM (scripts/install adds it)"
+    return f"{BASE_MODEL} is served by {engine}; {other}"
 
 
 # ---- tenancy and uploads ----------------------------------------------------------------------------
@@ -160,6 +198,10 @@ class QuickstartReport:
     answers: list[tuple[str, str, str, str]] = field(default_factory=list)
     """(question, right answer, base answer, fine-tuned answer) per held-out problem."""
     started_stack: bool = False
+    engine: str = ""
+    """What serves the base model and how to choose the other engine (a stack started here only)."""
+    stack_start_s: float = 0.0
+    """Seconds from starting the stack to its being ready (a stack started here only)."""
 
 
 def _train(
@@ -351,6 +393,8 @@ def print_summary(console: Console, report: QuickstartReport, keep_running: bool
     ]
     if report.png is not None:
         lines.append(f"reward curves:    {report.png}")
+    if report.engine:
+        lines.append(f"engine:           {report.engine}")
     if report.started_stack:
         lines.append(f"stack log:        {report.data_dir / 'stack.log'}")
         lines.append("the stack is still running" if keep_running else "the stack was stopped")
@@ -368,9 +412,11 @@ def run_quickstart(
     base_url: str,
     keep_running: bool = False,
     engine_port: int | None = None,
+    engine: str | None = None,
     env_dir: Path = EXAMPLE_ENV,
 ) -> QuickstartReport:
-    """The whole quickstart. `base_url` ends in `/v1`; `settings.data_dir` is the stack's data dir."""
+    """The whole quickstart. `base_url` ends in `/v1`; `settings.data_dir` is the stack's data dir; a stack
+    started here serves with `engine` (`auto`, `vllm` or `embedded`; default: the `engine` setting)."""
     import openai
 
     root = root_url(base_url)
@@ -386,12 +432,18 @@ def run_quickstart(
             host=parts.hostname or settings.host,
             port=parts.port or settings.port,
             engine_port=engine_port,
+            engine=engine,
         )
         report.started_stack = True
     try:
         if stack is not None:
+            started = time.monotonic()
             stack.wait_ready(root)
-            console.print(f"the stack is ready at {root}", highlight=False)
+            report.stack_start_s = time.monotonic() - started
+            report.engine = engine_summary(stack.engines())
+            console.print(f"the stack is ready at {root} ({report.stack_start_s:.0f} s)", highlight=False)
+            if report.engine:
+                console.print(report.engine, highlight=False)
         admin_key = settings.admin_key_value()
         if not admin_key:
             raise RuntimeError(
