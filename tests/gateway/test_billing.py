@@ -256,9 +256,12 @@ def test_stripe_totals_match_database_through_faults_and_kills(
     asyncio.run(_seed_usage(database, orgs))
     settings = _billing_settings(database, base, tmp_path)
 
-    for delay in (1.6, 2.2):  # killed mid-flight (imports take about a second)
+    for more in (1, 5):  # killed mid-flight: once Stripe has seen `more` calls of it
+        seen = standin.calls
         child = _billing_child(settings)
-        time.sleep(delay)
+        deadline = time.monotonic() + 120
+        while standin.calls < seen + more and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         child.kill()
         child.wait()
     killed_calls = standin.calls
