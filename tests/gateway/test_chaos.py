@@ -18,6 +18,7 @@ import asyncpg
 import httpx
 import openai
 import pytest
+from openai.types.fine_tuning import FineTuningJob
 
 from tests.support.data import HELLO_SFT as SFT
 from tests.support.engine import EngineServer
@@ -88,6 +89,16 @@ def _usage_rows(dsn: str, org_id: str) -> int:
     return asyncio.run(count())
 
 
+def _retrieve(tenant: Tenant, job_id: str) -> FineTuningJob | None:
+    """The job, or None for a 503 (a pooled connection the restart broke, as the SDK's retries would
+    take)."""
+    try:
+        return tenant.client.fine_tuning.jobs.retrieve(job_id)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+        return None
+
+
 def _wait_steps(tenant: Tenant, job_id: str, past: int, deadline: float) -> int:
     """Wait until the job trained beyond step `past`; returns the step it reached."""
     while True:
@@ -146,8 +157,8 @@ def test_redis_then_postgres_restart_while_a_job_trains_and_chats_flow(
             restart(pg)
             _wait_steps(tenant, job.id, step, deadline)
 
-            while (current := tenant.client.fine_tuning.jobs.retrieve(job.id)).status in UNFINISHED:
-                assert time.monotonic() < deadline, f"job still {current.status}"
+            while (current := _retrieve(tenant, job.id)) is None or current.status in UNFINISHED:
+                assert time.monotonic() < deadline, f"job still {current and current.status}"
                 time.sleep(0.5)
         assert current.status == "succeeded", current.error
         assert worker.proc.poll() is None, "the worker died"
