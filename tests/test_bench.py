@@ -25,7 +25,7 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-SEPARATE = ("training", "stalls", "distributed", "dashboard", "tinker", "tinker_wire", "formats")
+SEPARATE = ("training", "stalls", "distributed", "dashboard", "tinker", "tinker_wire", "formats", "adapters")
 """Benches with a test of their own below (each too long for the combined quick report's time)."""
 
 
@@ -109,15 +109,6 @@ def test_streaming_bench_measures_ttft_both_ways(report: dict[str, Any]) -> None
     assert _number(s["added_ttft_p50_ms"]) and _number(s["ttft_ratio_p50"])
 
 
-def test_adapters_bench_compares_with_the_base_model(report: dict[str, Any]) -> None:
-    a = report["benches"]["adapters"]
-    assert "error" not in a, a.get("traceback")
-    assert a["cold_load_s"] > 0 and _number(a["cold_first_token_ms"])
-    assert a["base"]["tokens"] > 0
-    assert [p["distinct_models"] for p in a["points"]] == [1, 4]
-    assert all(_number(p["vs_base"]) and p["tokens"] > 0 for p in a["points"])
-
-
 def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
     s = report["benches"]["sandbox"]
     assert "error" not in s, s.get("traceback")
@@ -185,6 +176,24 @@ def test_training_bench_compares_tunegate_with_plain_trl(tmp_path: Path) -> None
     assert _number(t["overhead_ratio"]) and _number(t["tunegate"]["success_to_first_token_ms"])
     assert t["tunegate"]["model"].startswith("ft:tiny-chat:")
     assert "plain TRL" in (tmp_path / "B.md").read_text()
+
+
+def test_adapters_bench_measures_the_engines_in_turns(tmp_path: Path) -> None:
+    a = run_quick("adapters", tmp_path)  # the embedded engine alone: quick mode leaves vLLM out
+    assert "error" not in a, a.get("traceback")
+    assert set(a["engines"]) == {"embedded"} and "quick mode" in a["vllm_skipped"]
+    assert [row["adapters"] for row in a["rows"]] == [0, 1, 4]
+    for row in a["rows"]:
+        side = row["embedded"]
+        assert side["tokens"] == a["requests"] * a["max_tokens"] * a["repetitions"]  # ignore_eos: all of them
+        assert side["every_request_exact"] is True and side["tokens_per_s"] > 0 and _number(side["vs_base"])
+    cold = a["cold_load"]["embedded"]
+    assert cold["load"]["n"] == cold["load_to_first_token"]["n"] == 2
+    assert 0 < cold["load"]["p50_ms"] <= cold["load_to_first_token"]["p50_ms"]
+    jobs = a["jobs"]["embedded"]
+    assert jobs["model"].startswith("ft:tiny-chat:") and jobs["success_to_first_token"]["p50_ms"] > 0
+    assert a["goal"]["met"] is None  # no vLLM measured, no ratio against it
+    assert "vLLM left out" in (tmp_path / "B.md").read_text()
 
 
 def test_distributed_bench_trains_the_same_steps_on_two_processes(tmp_path: Path) -> None:
