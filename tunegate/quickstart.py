@@ -333,6 +333,11 @@ def run_tour(
     result = _train(client, console, env_file, training_file, validation_file, job_timeout_s)
     report.job_id = result.job.id
     report.fine_tuned_model = result.job.fine_tuned_model
+    if result.job.status in ("validating_files", "queued", "running"):
+        raise QuickstartError(
+            f"the job {result.job.id} is still {result.job.status} after {job_timeout_s:.0f} s: it trains "
+            "slowly on a machine this busy"
+        )
     if result.job.status != "succeeded" or not report.fine_tuned_model:
         error = result.job.error
         cause = f": {error.code}: {error.message}" if error is not None and error.message else ""
