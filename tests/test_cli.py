@@ -175,6 +175,12 @@ def test_follow_needs_an_api_key() -> None:
     assert out.returncode == 2 and "API key" in out.stderr
 
 
+def test_quickstart_refuses_an_unknown_engine_before_starting_anything(tmp_path: Path) -> None:
+    out = _cli("quickstart", "--engine", "gpu", "--data-dir", str(tmp_path / "qs"))
+    assert out.returncode == 2 and "--engine must be auto, vllm or embedded" in out.stderr
+    assert not (tmp_path / "qs").exists()
+
+
 def test_docs_settings_command_prints_every_setting() -> None:
     out = _cli("docs-settings")
     assert out.returncode == 0

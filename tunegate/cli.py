@@ -293,6 +293,7 @@ def quickstart(
     from tunegate.client import api_base_url
     from tunegate.quickstart import run_quickstart
 
+    chosen = _engine_option(engine) if engine is not None else None  # typer.Exit is a RuntimeError
     settings = Settings(data_dir=data_dir)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     console = Console()
@@ -303,7 +304,7 @@ def quickstart(
             base_url=api_base_url(settings, base_url),
             keep_running=keep_running,
             engine_port=engine_port,
-            engine=_engine_option(engine) if engine is not None else None,
+            engine=chosen,
         )
     except (RuntimeError, OSError, openai.APIError) as exc:
         console.print(f"[red]quickstart failed:[/red] {exc}", highlight=False)
