@@ -120,6 +120,10 @@ class ModelEngine(BatchGeneration):
         self.base_parameter_count = self.host.parameter_count()
         self.batches_run = 0
         self.largest_batch = 0
+        self.adapter_loads = 0
+        """Adapters loaded into the model so far (first loads, and reloads after an eviction)."""
+        self.adapter_evictions = 0
+        """Resident adapters evicted under the ``max_loras`` cap so far (unloads by name not counted)."""
         self.tokens_generated = 0
         logger.info("engine %s: loaded %s on %s", name, path, device)
 
@@ -228,6 +232,8 @@ class ModelEngine(BatchGeneration):
             "max_batch_size": self.max_batch_size,
             "batches_run": self.batches_run,
             "largest_batch": self.largest_batch,
+            "adapter_loads": self.adapter_loads,
+            "adapter_evictions": self.adapter_evictions,
             "tokens_generated": self.tokens_generated,
         }
 
@@ -276,6 +282,7 @@ class ModelEngine(BatchGeneration):
             logger.info("engine %s: evicting adapter %s", self.name, victim.name)
             self.host.delete(victim.key)
             self.registry.mark_evicted(victim)
+            self.adapter_evictions += 1
         try:
             self.host.load(adapter.key, adapter.path)
         except Exception as exc:
@@ -283,6 +290,7 @@ class ModelEngine(BatchGeneration):
             msg = f"Failed to load LoRA adapter '{adapter.name}': {exc}"
             raise BadRequestError(msg, param="lora_path") from exc
         self.registry.mark_resident(adapter)
+        self.adapter_loads += 1
 
     def _pin(self, adapters: list[Adapter]) -> None:
         with self._lock:
@@ -303,6 +311,7 @@ class ModelEngine(BatchGeneration):
             for victim in self.registry.victims(0):
                 self.host.delete(victim.key)
                 self.registry.mark_evicted(victim)
+                self.adapter_evictions += 1
 
     # ------------------------------------------------------------------ scheduling
     async def _schedule(self) -> None:
