@@ -14,6 +14,7 @@ from fastapi.responses import ORJSONResponse
 from starlette.types import Receive, Scope, Send
 
 from envsdk.sandbox import remove_stale_dirs
+from gateway.aliases.router import router as aliases_router
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
 from gateway.dashboard.router import install as install_dashboard
@@ -140,6 +141,7 @@ def create_app(settings: Settings) -> FastAPI:
         files_router,
         jobs_router,
         models_router,
+        aliases_router,
         ops_router,
         serving_router,
         usage_router,

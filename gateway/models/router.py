@@ -71,5 +71,5 @@ async def delete_model(model_id: str, res: ResourcesDep, who: PrincipalDep) -> M
     row = await store.delete(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    await forget_model(res, model_id, row.base_model)  # stops answering at once, leaves the engines
+    await forget_model(res, model_id, row.base_model, row.version)  # stops answering, leaves the engines
     return ModelDeleted(id=model_id)

@@ -5,7 +5,8 @@ already holds it (least in-flight among those); otherwise, and for base-model re
 the fewest requests in flight, ties broken round robin. An engine that refused a connection is tried last
 for a few seconds.
 
-Adapters go onto engines through vLLM's runtime LoRA endpoints (`AdapterLoader`, one httpx client). The
+Adapters go onto engines through vLLM's runtime LoRA endpoints (`AdapterLoader`, one httpx client), named by
+their version ids (`gateway.serving.versions`), never by the names users call. The
 gateway's `Engines` remembers which engine holds which adapter and makes concurrent loads of one adapter on
 one engine a single load; the worker, which serves nothing, uses an `AdapterLoader` on its own. An adapter
 whose rank is above `engine_max_lora_rank` is refused before any engine is asked, where the gateway can read
@@ -29,6 +30,7 @@ import orjson
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.serving.engine_client import EngineClient, make_client
 from gateway.serving.engine_errors import AdapterRankTooLarge, adapter_load_error
+from gateway.serving.versions import adapter_version, path_version
 from gateway.settings import Settings
 from gateway.singleflight import SingleFlight
 
@@ -117,11 +119,22 @@ class Target:
     """The base model whose engines serve it."""
     adapter_path: str | None = None
     """The LoRA adapter directory, or None for a base model."""
+    version: str | None = None
+    """The adapter's version id (`gateway.serving.versions`), or None for a base model."""
 
     @property
     def engine_model(self) -> str:
-        """The name the engine knows: the base model's, or the adapter's (the model id itself)."""
-        return self.base_model if self.adapter_path is None else self.model_id
+        """The name the engine knows: the base model's, or the adapter's version id (never a name users call,
+        which may come to mean other weights)."""
+        if self.adapter_path is None:
+            return self.base_model
+        return self.version if self.version is not None else self.model_id
+
+    @property
+    def served_version(self) -> str:
+        """What answers say served them (`X-Tunegate-Model-Version`, `system_fingerprint`): the adapter's
+        version, or the base model's name."""
+        return self.engine_model
 
 
 def adapter_rank(path: str) -> int | None:
@@ -171,35 +184,49 @@ class AdapterLoader:
         resp = await self.client.post(
             f"{url}/v1/load_lora_adapter",
             json={
-                "lora_name": target.model_id,
+                "lora_name": target.engine_model,
                 "lora_path": target.adapter_path,
                 "base_model_name": target.base_model,
             },
         )
         if resp.status_code == 200 or (resp.status_code == 400 and "already" in resp.text.lower()):
-            logger.info("adapter %s on %s ready in %.2fs", target.model_id, url, time.perf_counter() - t0)
+            logger.info(
+                "adapter %s (%s) on %s ready in %.2fs",
+                target.model_id,
+                target.engine_model,
+                url,
+                time.perf_counter() - t0,
+            )
             return
         raise adapter_load_error(
             resp.status_code, resp.content, model=target.model_id, url=url, path=target.adapter_path
         )
 
-    async def unload(self, url: str, model_id: str) -> None:
-        """Unload `model_id` from the engine at `url` (unknown there counts as done)."""
-        resp = await self.client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": model_id})
+    async def unload(self, url: str, version: str) -> None:
+        """Unload adapter version `version` from the engine at `url` (unknown there counts as done)."""
+        resp = await self.client.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": version})
         if resp.status_code not in (200, 404):
-            logger.warning("engine %s could not unload %s: %s", url, model_id, resp.text[:300])
+            logger.warning("engine %s could not unload %s: %s", url, version, resp.text[:300])
 
-    async def load_everywhere(self, model_id: str, base_model: str, path: str) -> dict[str, str | None]:
-        """Load adapter `model_id` (directory `path`) onto every engine of `base_model`.
+    async def load_everywhere(
+        self, model_id: str, base_model: str, path: str, version: str | None = None
+    ) -> dict[str, str | None]:
+        """Load adapter `model_id` (directory `path`) onto every engine of `base_model`, as `version`
+        (computed from the files when not given).
 
         Returns `{engine url: None if loaded, else the reason}`; never raises for an engine that is down or
         refuses (requests load lazily on a miss anyway).
         """
-        target = Target(model_id=model_id, base_model=base_model, adapter_path=path)
+        if version is None:
+            try:
+                version = await asyncio.to_thread(adapter_version, path)
+            except OSError:
+                version = path_version(path)
+        target = Target(model_id=model_id, base_model=base_model, adapter_path=path, version=version)
         return await _everywhere(self.urls.get(base_model, []), lambda url: self.load(url, target), model_id)
 
     async def unload_everywhere(self, model_id: str, base_model: str | None = None) -> dict[str, str | None]:
-        """Unload adapter `model_id` from every engine (of `base_model`, or of every base model)."""
+        """Unload adapter version `model_id` from every engine (of `base_model`, or of every base model)."""
         urls = (
             self.urls[base_model] if base_model in self.urls else [u for us in self.urls.values() for u in us]
         )
@@ -240,7 +267,7 @@ class Upstream:
     url: str
     in_flight: int = 0
     loaded: set[str] = field(default_factory=set)
-    """Adapters this gateway knows the engine holds (loaded by it, or found loaded already)."""
+    """Adapter versions this gateway knows the engine holds (loaded by it, or found loaded already)."""
     down_until: float = 0.0
     http: EngineClient = field(init=False, repr=False)
     """The keep-alive connections proxied requests use."""
@@ -261,7 +288,8 @@ class UpstreamPool:
         self._turn = itertools.count()
 
     def candidates(self, adapter: str | None) -> list[Upstream]:
-        """Engines in the order to try them for a request (for `adapter`, or the base model when None)."""
+        """Engines in the order to try them for a request (for adapter version `adapter`, or the base model
+        when None)."""
         n = len(self.upstreams)
         if n == 0:
             return []
@@ -310,21 +338,23 @@ class Engines:
         Raises `httpx.TransportError` when the engine cannot be reached, the error of `AdapterLoader.load`
         when the adapter cannot be served.
         """
-        if target.adapter_path is None or target.model_id in upstream.loaded:
+        version = target.engine_model
+        if target.adapter_path is None or version in upstream.loaded:
             return
 
         async def load() -> None:
             await self.loader.load(upstream.url, target)
-            upstream.loaded.add(target.model_id)
+            upstream.loaded.add(version)
 
-        await self._loads.run((upstream.url, target.model_id), load)
+        await self._loads.run((upstream.url, version), load)
 
-    async def unload_everywhere(self, model_id: str, base_model: str | None = None) -> dict[str, str | None]:
-        """Unload `model_id` from every engine (of `base_model`, or of all), forgetting it here first."""
+    async def unload_everywhere(self, version: str, base_model: str | None = None) -> dict[str, str | None]:
+        """Unload adapter version `version` from every engine (of `base_model`, or of all), forgetting it here
+        first."""
         for pool in self.pools.values():
             for up in pool.upstreams:
-                up.loaded.discard(model_id)
-        return await self.loader.unload_everywhere(model_id, base_model)
+                up.loaded.discard(version)
+        return await self.loader.unload_everywhere(version, base_model)
 
     async def aclose(self) -> None:
         await self.loader.aclose()

@@ -164,8 +164,11 @@ def _content_chars(message: Any) -> int:
     return 0
 
 
-def rewrite_response(raw: bytes, model: str) -> tuple[bytes, dict[str, Any] | None]:
-    """A non-streamed engine answer with `model` rewritten, and its `usage` (if any)."""
+def rewrite_response(
+    raw: bytes, model: str, fingerprint: str | None = None
+) -> tuple[bytes, dict[str, Any] | None]:
+    """A non-streamed engine answer with `model` rewritten (and `system_fingerprint` set to `fingerprint`,
+    the version that served it, when given), and its `usage` (if any)."""
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -174,6 +177,8 @@ def rewrite_response(raw: bytes, model: str) -> tuple[bytes, dict[str, Any] | No
         return raw, None
     if "model" in data:
         data["model"] = model
+        if fingerprint is not None:
+            data["system_fingerprint"] = fingerprint
     usage = data.get("usage")
     return orjson.dumps(data), usage if isinstance(usage, dict) else None
 
@@ -182,12 +187,14 @@ def rewrite_response(raw: bytes, model: str) -> tuple[bytes, dict[str, Any] | No
 class StreamRewriter:
     """Rewrites the `data:` lines of an engine's event stream, one line at a time.
 
-    `model` is replaced in every JSON event; the usage chunk is remembered (and dropped, as is each chunk's
+    `model` is replaced in every JSON event and `system_fingerprint` set to `fingerprint` (the version that
+    serves the stream) when given; the usage chunk is remembered (and dropped, as is each chunk's
     `usage: null`, when the client did not ask for it, since the gateway always asks the engine).
     """
 
     model: str
     keep_usage: bool
+    fingerprint: str | None = None
     usage: dict[str, Any] | None = None
     saw_done: bool = False
 
@@ -207,6 +214,8 @@ class StreamRewriter:
             return line
         if "model" in event:
             event["model"] = self.model
+            if self.fingerprint is not None:
+                event["system_fingerprint"] = self.fingerprint
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.usage = usage

@@ -30,6 +30,9 @@ from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
 logger = logging.getLogger(__name__)
 
+VERSION_HEADER = b"x-tunegate-model-version"
+"""The header naming what served an answer (`Target.served_version`), as its `system_fingerprint` does."""
+
 
 async def resolve(res: Resources, who: Principal, model_id: str, *, param: str = "model") -> Target:
     """The target of `model_id` for the caller, or 404 `model_not_found` (also for others' models)."""
@@ -38,10 +41,13 @@ async def resolve(res: Resources, who: Principal, model_id: str, *, param: str =
     )
 
 
-async def forget_model(res: Resources, model_id: str, base_model: str) -> None:
-    """A deleted model stops answering at once on this gateway (cache dropped) and leaves the engines."""
+async def forget_model(res: Resources, model_id: str, base_model: str, version: str | None) -> None:
+    """A deleted model stops answering at once on this gateway (cache dropped) and its version leaves the
+    engines (another model of the same content loads it again on its next request)."""
     res.models.invalidate(model_id)
-    await res.engines.unload_everywhere(model_id, base_model)
+    if version is not None:
+        res.models.invalidate(version)
+        await res.engines.unload_everywhere(version, base_model)
 
 
 # ---------------------------------------------------------------------------------------------- proxy
@@ -56,7 +62,7 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
     status and headers read, with a status below 400; raises the engine's error otherwise (as
     `engine_errors.engine_error` maps it), or 503 when no engine answers.
     """
-    adapter = target.model_id if target.adapter_path is not None else None
+    adapter = target.engine_model if target.adapter_path is not None else None
     last: Exception | None = None
     for up in res.engines.pool_for(target.base_model).candidates(adapter):
         for attempt in range(2):
@@ -157,9 +163,13 @@ async def complete(
         finally:
             up.in_flight -= 1
             await resp.aclose()
-        out, usage = rewrite_response(raw, proxy.model)
+        out, usage = rewrite_response(raw, proxy.model, target.served_version)
         status = resp.status
-        head = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(out))]
+        head = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(out)),
+            (VERSION_HEADER, target.served_version.encode()),
+        ]
         await send({"type": "http.response.start", "status": status, "headers": _headers(admission, head)})
         await send({"type": "http.response.body", "body": out})
     except APIError as exc:
@@ -191,7 +201,9 @@ async def stream(
         status = exc.status if isinstance(exc, APIError) else 499
         _meter(res, who, proxy, target, admission, None, started=started, status=status)
         raise
-    rewriter = StreamRewriter(model=proxy.model, keep_usage=proxy.client_wants_usage)
+    rewriter = StreamRewriter(
+        model=proxy.model, keep_usage=proxy.client_wants_usage, fingerprint=target.served_version
+    )
     pieces = resp.chunks()
     try:
         first = await anext(pieces, b"")
@@ -202,7 +214,8 @@ async def stream(
         if isinstance(exc, UpstreamBroken):
             raise ServiceUnavailable(f"The inference engine failed before answering: {exc}") from None
         raise
-    await send({"type": "http.response.start", "status": 200, "headers": _headers(admission, SSE_HEADERS)})
+    head = [*SSE_HEADERS, (VERSION_HEADER, target.served_version.encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": _headers(admission, head)})
     chunks = 0
     status = 499  # until the stream ends, the client may go away
     pending = b""

@@ -1,17 +1,20 @@
-"""Which model a request names: base models by name, fine-tuned models and checkpoints by id within the
-caller's organisation, remembered for a few seconds so the hot path makes no database query for a model
-seen lately."""
+"""Which model a request names: base models by name, aliases, fine-tuned models, checkpoints and versions
+by id within the caller's organisation. Model and version ids are remembered for a few seconds so the hot
+path makes no database query for a model seen lately; aliases are read on every request (they move)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import time
 
 import asyncpg
 
-from gateway.errors import not_found
+from gateway.errors import NotFound, not_found
 from gateway.serving import store
 from gateway.serving.engines import Target
+from gateway.serving.versions import adapter_version, is_version, path_version
 from gateway.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,20 @@ class ModelCache:
             self._entries.pop(key, None)
 
 
+ALIAS_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A plain alias name (`prod`, `support-bot.v2`); the other form is `<model id>:latest`."""
+LATEST = ":latest"
+
+
+def may_be_alias(name: str) -> bool:
+    """Whether `name` has an alias's shape: a plain name that is not a version id, or one ending `:latest`.
+    Model ids have neither (they contain `:` and end with a job id or `ckpt-step-N`), so a request for a
+    model id makes no alias query."""
+    if name.endswith(LATEST):
+        return True
+    return ALIAS_NAME_RE.fullmatch(name) is not None and not is_version(name)
+
+
 async def resolve(
     settings: Settings,
     models: ModelCache,
@@ -54,18 +71,57 @@ async def resolve(
     *,
     param: str = "model",
 ) -> Target:
-    """The target of `model_id` for organisation `org_id`, or 404 `model_not_found` (also for others'
-    models), whose `param` is `param` (the field that named the model)."""
+    """The target of `model_id` for organisation `org_id`: a base model, an alias (read from the database on
+    every call, so that a request admitted after an alias moved is served by the new model, whatever this
+    gateway remembers), a fine-tuned model or checkpoint id, or a version id of one of them; else 404
+    `model_not_found` (also for others' models), whose `param` is `param` (the field that named the model).
+
+    Several gateways: each reads the alias from the shared database per request, so a move is seen by every
+    gateway for every request admitted after the move's transaction committed; the model ids and version ids
+    an alias points at are immutable, so their cached targets never go stale by a move."""
+    if model_id in settings.base_models:
+        return Target(model_id=model_id, base_model=model_id)
+    if may_be_alias(model_id):
+        pointed = await store.find_alias(pool, org_id, model_id)
+        if pointed is not None:
+            try:
+                return await resolve_model(settings, models, pool, org_id, pointed, param=param)
+            except NotFound:
+                raise NotFound(
+                    f"The alias '{model_id}' points at model '{pointed}', which does not exist.",
+                    param=param,
+                    code="model_not_found",
+                ) from None
+    return await resolve_model(settings, models, pool, org_id, model_id, param=param)
+
+
+async def resolve_model(
+    settings: Settings,
+    models: ModelCache,
+    pool: asyncpg.Pool,
+    org_id: str,
+    model_id: str,
+    *,
+    param: str = "model",
+) -> Target:
+    """`resolve` without aliases: a base model, a model or checkpoint id, or a version id."""
     if model_id in settings.base_models:
         return Target(model_id=model_id, base_model=model_id)
     hit, target = models.get(org_id, model_id)
-    if not hit and model_id.startswith("ft:"):
-        found = await store.find_adapter(pool, org_id, model_id)
+    if not hit and (model_id.startswith("ft:") or is_version(model_id)):
+        if is_version(model_id):
+            found = await store.find_version(pool, org_id, model_id)
+        else:
+            found = await store.find_adapter(pool, org_id, model_id)
         target = None
         if found is not None:
             if found.base_model in settings.base_models:
+                version = found.version or await _version_of(pool, org_id, model_id, found)
                 target = Target(
-                    model_id=model_id, base_model=found.base_model, adapter_path=found.adapter_path
+                    model_id=model_id,
+                    base_model=found.base_model,
+                    adapter_path=found.adapter_path,
+                    version=version,
                 )
             else:
                 logger.warning(
@@ -75,3 +131,15 @@ async def resolve(
     if target is None:
         raise not_found("model", model_id, param=param, code="model_not_found")
     return target
+
+
+async def _version_of(pool: asyncpg.Pool, org_id: str, model_id: str, found: store.Served) -> str:
+    """The version of a row written before versions: computed from its files (in a thread) and stored; a
+    path-derived stand-in, not stored, when the gateway cannot read them."""
+    try:
+        version = await asyncio.to_thread(adapter_version, found.adapter_path)
+    except OSError as exc:
+        logger.warning("adapter of %s unreadable here (%s); versioned by its path", model_id, exc)
+        return path_version(found.adapter_path)
+    await store.set_version(pool, org_id, model_id, found, version)
+    return version

@@ -37,6 +37,7 @@ from gateway.blobstore import BlobStore
 from gateway.notices import Notices
 from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
+from gateway.serving.versions import adapter_version
 from gateway.settings import Settings
 from gateway.tinker import store, wire
 from gateway.tinker.paths import (
@@ -333,14 +334,15 @@ class Holder:
         key = checkpoint_key(self.org_id, self.model_id, SEGMENT["sampler"], name)
         path = await self._save("save_sampler", key)
         served = served_model_id(base, self.org_id, self.model_id, name)
+        version = await asyncio.to_thread(adapter_version, path)
         await store.add_checkpoint(
             self.pool, org_id=self.org_id, model_id=self.model_id, kind="sampler", name=name, path=path,
             served_model=served, with_optimizer=False, size_bytes=_size(Path(path)), base_model=base,
-            ttl_s=payload.get("ttl_seconds"),
+            ttl_s=payload.get("ttl_seconds"), version=version,
         )  # fmt: skip
         # the engines load it now, as after a fine-tuning job (a miss loads it on the first request anyway)
         async with AdapterLoader(self.settings) as loader:
-            await loader.load_everywhere(served, base, path)
+            await loader.load_everywhere(served, base, path, version)
         body: dict[str, Any] = {
             "path": tinker_path(self.model_id, "sampler", name),
             "type": "save_weights_for_sampler",

@@ -31,10 +31,11 @@ async def tinker_housekeeping(ctx: dict[str, Any]) -> dict[str, int]:
     if expired:
         async with AdapterLoader(settings) as loader:
             for row in expired:
-                if not await store.delete_expired(pool, row):
+                versions = await store.delete_expired(pool, row)
+                if versions is None:
                     continue
-                if row.served_model is not None:
-                    await loader.unload_everywhere(row.served_model)
+                for version in versions:
+                    await loader.unload_everywhere(version)
                 blobs.delete(checkpoint_key(row.organization_id, row.model_id, SEGMENT[row.kind], row.name))
                 checkpoints += 1
     return {"requests": requests, "checkpoints": checkpoints}

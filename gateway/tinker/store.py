@@ -277,10 +277,10 @@ SELECT * FROM tinker_checkpoints WHERE expires_at <= now() ORDER BY expires_at L
 DELETE_CHECKPOINT = """
 DELETE FROM tinker_checkpoints WHERE model_id = $1 AND kind = $2 AND name = $3 AND expires_at <= now()
 RETURNING served_model"""
-DELETE_SERVED = "DELETE FROM models WHERE id = $1 AND organization_id = $2"
+DELETE_SERVED = "DELETE FROM models WHERE id = $1 AND organization_id = $2 RETURNING version"
 REGISTER_SERVED = """
-INSERT INTO models (id, organization_id, base_model, adapter_path) VALUES ($1, $2, $3, $4)
-ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path
+INSERT INTO models (id, organization_id, base_model, adapter_path, version) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (id) DO UPDATE SET adapter_path = EXCLUDED.adapter_path, version = EXCLUDED.version
 WHERE models.organization_id = EXCLUDED.organization_id"""
 
 
@@ -297,13 +297,15 @@ async def add_checkpoint(
     size_bytes: int | None,
     base_model: str,
     ttl_s: float | None = None,
+    version: str | None = None,
 ) -> CheckpointRow:
     """Record a checkpoint, expiring `ttl_s` from now (never: None); a sampler checkpoint also becomes the
-    OpenAI model `served_model`. Saving again under a checkpoint's name replaces it, but only within its
-    organisation: one of another organisation's is never replaced (ValueError, nothing recorded)."""
+    OpenAI model `served_model`, of adapter version `version`. Saving again under a checkpoint's name
+    replaces it, but only within its organisation: one of another organisation's is never replaced
+    (ValueError, nothing recorded)."""
     async with pool.acquire() as c, c.transaction():
         if served_model is not None:
-            await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path)
+            await c.execute(REGISTER_SERVED, served_model, org_id, base_model, path, version)
         record = await c.fetchrow(
             INSERT_CHECKPOINT, org_id, model_id, kind, name, path, served_model, with_optimizer, size_bytes,
             ttl_s,
@@ -372,13 +374,15 @@ async def expired_checkpoints(conn: Conn, *, most: int = 100) -> list[Checkpoint
     return rows_to(CheckpointRow, await conn.fetch(EXPIRED, most))
 
 
-async def delete_expired(pool: asyncpg.Pool, row: CheckpointRow) -> bool:
-    """Delete an expired checkpoint's row and the OpenAI model it was served as, in one transaction; False
-    when another worker deleted it first."""
+async def delete_expired(pool: asyncpg.Pool, row: CheckpointRow) -> list[str] | None:
+    """Delete an expired checkpoint's row and the OpenAI model it was served as, in one transaction: the
+    adapter versions to take off the engines (none for a training checkpoint); None when another worker
+    deleted it first."""
     async with pool.acquire() as c, c.transaction():
         deleted = await c.fetchrow(DELETE_CHECKPOINT, row.model_id, row.kind, row.name)
         if deleted is None:
-            return False
-        if deleted["served_model"] is not None:
-            await c.execute(DELETE_SERVED, deleted["served_model"], row.organization_id)
-    return True
+            return None
+        if deleted["served_model"] is None:
+            return []
+        version = await c.fetchval(DELETE_SERVED, deleted["served_model"], row.organization_id)
+    return [version] if version is not None else []

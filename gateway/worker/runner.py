@@ -35,6 +35,7 @@ from gateway.limits.buckets import Buckets
 from gateway.models import store as models_store
 from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
+from gateway.serving.versions import adapter_version
 from gateway.worker import store
 from gateway.worker.context import JobContext, OutsideWorkdir
 from gateway.worker.devices import Device, cpu_devices, generation_devices, strategy
@@ -193,9 +194,10 @@ class JobRun:
             self.ctx.trainer_path(event.adapter_path),
             f"adapters/{self.ctx.org_id}/{self.ctx.id}",
         )
+        version = await asyncio.to_thread(adapter_version, adapter)
         # Serve the new model before the job reports success: every engine of the base model loads it now.
         async with AdapterLoader(self.ctx.settings) as loader:
-            loaded = await loader.load_everywhere(model, self.ctx.row.model, str(adapter))
+            loaded = await loader.load_everywhere(model, self.ctx.row.model, str(adapter), version)
         for upstream, problem in loaded.items():
             if problem:
                 logger.warning(
@@ -236,6 +238,7 @@ class JobRun:
                 base_model=self.ctx.row.model,
                 job_id=self.ctx.id,
                 adapter_path=str(adapter),
+                version=version,
             )
             for message, key in (
                 (f"New fine-tuned model created: {model}", "model_created"),

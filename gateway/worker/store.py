@@ -112,8 +112,8 @@ WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
 SET_CHECKPOINT = "UPDATE fine_tuning_jobs SET last_checkpoint = $2 WHERE id = $1"
 INSERT_CHECKPOINT = """
 INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_number, metrics,
-    fine_tuned_model_checkpoint, path)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+    fine_tuned_model_checkpoint, path, version)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (job_id, step_number) DO NOTHING"""
 QUEUED_UNCLAIMED = """
 SELECT id, queue_generation FROM fine_tuning_jobs WHERE status = 'queued' AND worker_id IS NULL
@@ -239,9 +239,19 @@ async def succeed_own(
 
 
 async def add_checkpoint(
-    conn: Conn, *, job_id: str, org_id: str, step: int, metrics: dict[str, Any], model_name: str, path: str
+    conn: Conn,
+    *,
+    job_id: str,
+    org_id: str,
+    step: int,
+    metrics: dict[str, Any],
+    model_name: str,
+    path: str,
+    version: str | None,
 ) -> None:
-    await conn.execute(INSERT_CHECKPOINT, new_id("ftckpt_"), job_id, org_id, step, metrics, model_name, path)
+    await conn.execute(
+        INSERT_CHECKPOINT, new_id("ftckpt_"), job_id, org_id, step, metrics, model_name, path, version
+    )
     await conn.execute(SET_CHECKPOINT, job_id, path)
 
 

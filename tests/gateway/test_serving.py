@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import EngineServer, make_lora_adapter, register_model, resources_of
 from tests.support.fixtures import gateway_fixture
@@ -51,6 +53,15 @@ gw = gateway_fixture("serving")
 @pytest.fixture
 def org(gw_admin: Admin) -> Tenant:
     return gw_admin.tenant("serve-" + secrets.token_hex(3))
+
+
+def _new_version_of(adapter: str, root: Path) -> str:
+    """A copy of `adapter` with the same weights but another version (its config differs by a space)."""
+    out = root / "copy"
+    shutil.copytree(adapter, out)
+    config = out / "adapter_config.json"
+    config.write_text(config.read_text() + " ")
+    return str(out)
 
 
 def _ft_id(org: Tenant) -> str:
@@ -172,11 +183,12 @@ def test_ft_model_and_checkpoint_served_with_lazy_load(
     ckpt = f"{b}:ckpt-step-2"
     register_model(database, org.org_id, a, adapters[0])
     register_model(database, org.org_id, b, adapters[1], checkpoint=ckpt)
-    assert a not in engine.models()
+    assert adapter_version(adapters[0]) not in engine.models()
     kwargs: dict[str, Any] = dict(messages=MESSAGES, max_tokens=12, temperature=0.9, seed=7)
     base = org.client.chat.completions.create(model=BASE, **kwargs).choices[0].message.content
     out_a = org.client.chat.completions.create(model=a, **kwargs)
-    assert out_a.model == a and a in engine.models()
+    assert out_a.model == a and adapter_version(adapters[0]) in engine.models()  # engines know versions
+    assert a not in engine.models()
     out_b = org.client.chat.completions.create(model=b, **kwargs)
     assert out_b.model == b
     assert len({base, out_a.choices[0].message.content, out_b.choices[0].message.content}) == 3
@@ -186,7 +198,7 @@ def test_ft_model_and_checkpoint_served_with_lazy_load(
         out_a.choices[0].message.content
     )
     from_ckpt = org.client.chat.completions.create(model=ckpt, **kwargs)
-    assert from_ckpt.model == ckpt and ckpt in engine.models()
+    assert from_ckpt.model == ckpt and adapter_version(adapters[1]) in engine.models()
     assert from_ckpt.choices[0].message.content == out_b.choices[0].message.content  # same adapter dir
 
     other: Tenant = other_org_factory()
@@ -202,10 +214,16 @@ def other_org_factory(gw_admin: Admin) -> Any:
 
 
 def test_concurrent_first_requests_load_once(
-    org: Tenant, gw: GatewayServer, engine: EngineServer, database: str, adapters: list[str]
+    org: Tenant,
+    gw: GatewayServer,
+    engine: EngineServer,
+    database: str,
+    adapters: list[str],
+    tmp_path: Path,
 ) -> None:
     model = _ft_id(org)
-    register_model(database, org.org_id, model, adapters[0])
+    fresh = _new_version_of(adapters[0], tmp_path)  # a version no engine holds yet
+    register_model(database, org.org_id, model, fresh)
     engines = resources_of(gw).engines
     before = engines.load_count
 
@@ -216,7 +234,7 @@ def test_concurrent_first_requests_load_once(
     with ThreadPoolExecutor(6) as pool:
         assert list(pool.map(ask, range(6))) == [model] * 6
     assert engines.load_count - before == 1
-    assert model in engine.models()
+    assert adapter_version(fresh) in engine.models()
 
 
 def test_delete_model_stops_serving_and_unloads(
@@ -225,9 +243,9 @@ def test_delete_model_stops_serving_and_unloads(
     model = _ft_id(org)
     register_model(database, org.org_id, model, adapters[1])
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
-    assert model in engine.models()
+    assert adapter_version(adapters[1]) in engine.models()
     assert org.client.models.delete(model).deleted is True
-    assert model not in engine.models()
+    assert adapter_version(adapters[1]) not in engine.models()
     with pytest.raises(openai.NotFoundError) as info:
         org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
     assert info.value.code == "model_not_found"
@@ -263,10 +281,12 @@ def test_adapter_lost_by_the_engine_is_reloaded(
     register_model(database, org.org_id, model, adapters[0])
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
     with httpx.Client(trust_env=False) as http:  # behind the gateway's back, as an engine restart would
-        assert http.post(f"{engine.url}/v1/unload_lora_adapter", json={"lora_name": model}).status_code == 200
+        unload = {"lora_name": adapter_version(adapters[0])}
+        assert http.post(f"{engine.url}/v1/unload_lora_adapter", json=unload).status_code == 200
     before = resources_of(gw).engines.load_count
     assert org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3).model == model
-    assert resources_of(gw).engines.load_count == before + 1 and model in engine.models()
+    assert resources_of(gw).engines.load_count == before + 1
+    assert adapter_version(adapters[0]) in engine.models()
 
 
 def test_worker_hook_loads_and_unloads_everywhere(
@@ -275,17 +295,18 @@ def test_worker_hook_loads_and_unloads_everywhere(
     from gateway.serving.engines import AdapterLoader
 
     model = _ft_id(org)
+    version = adapter_version(adapters[1])
 
     async def hook() -> None:
         async with AdapterLoader(gw.settings) as loader:
             assert await loader.load_everywhere(model, BASE, adapters[1]) == {engine.url: None}
-            assert model in engine.models()
+            assert version in engine.models()  # loaded as its version, computed from its files
             again = await loader.load_everywhere(model, BASE, adapters[1])  # "already loaded"
             assert again == {engine.url: None}
-            assert await loader.unload_everywhere(model, BASE) == {engine.url: None}
+            assert await loader.unload_everywhere(version, BASE) == {engine.url: None}
 
     asyncio.run(hook())
-    assert model not in engine.models()
+    assert version not in engine.models()
 
 
 def test_client_leaving_stops_the_engine(org: Tenant, gw: GatewayServer, engine: EngineServer) -> None:

@@ -18,6 +18,7 @@ from prometheus_client import Counter, Histogram
 
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
+from gateway.serving.versions import adapter_version
 from gateway.worker import store
 from gateway.worker.context import JobContext
 from gateway.worker.job.spec import fine_tuned_model_name
@@ -114,6 +115,7 @@ class Ingest:
     async def _checkpoint(self, step: int, path: Path, metrics: dict[str, Any]) -> None:
         key = f"checkpoints/{self.ctx.org_id}/{self.ctx.id}/step-{step}"
         stored = await asyncio.to_thread(self.ctx.blobs.put_tree, path, key)
+        version = await asyncio.to_thread(adapter_version, stored)
         name = f"{fine_tuned_model_name(self.ctx.row)}:ckpt-step-{step}"
         await store.add_checkpoint(
             self.ctx.pool,
@@ -123,6 +125,7 @@ class Ingest:
             metrics={"step": step, **metrics},
             model_name=name,
             path=str(stored),
+            version=version,
         )
         await jobs_store.add_event(
             self.ctx.pool,
