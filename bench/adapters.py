@@ -3,7 +3,11 @@ build where that is what is installed), each started as `tunegate up` starts it,
 run on the same model (tiny-chat, float32) and the same adapters (rank 8 on every linear layer, random B).
 
 - Throughput: `REQUESTS` chats of exactly `MAX_TOKENS` tokens (`ignore_eos`), `IN_FLIGHT` at a time, to the
-  base model alone and spread over 1, 8 and 32 distinct adapters (both engines batch `MAX_LORAS` adapters).
+  base model alone and spread over 1, 8, 32 and 128 distinct adapters, each count with uniform popularity
+  (request `i` to adapter `i mod count`) and with Zipf popularity (adapter `k` drawn with weight
+  `1/(k+1)^ZIPF_S`, one seeded draw shared by both engines). Both engines batch `MAX_LORAS` adapters, so 128
+  means eviction and reloads on a miss (the embedded engine's loads in a round are counted; vLLM does not
+  say).
 - Cold adapter load: `POST /v1/load_lora_adapter` of an adapter the engine has never seen, until the first
   streamed token from it (the load call alone too); p50/p99 over several adapters.
 - Job `succeeded` -> first streamed token of its `ft:` model: a gateway and a worker in front of each
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import statistics
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -29,6 +34,7 @@ from bench.common import Options, fmt, ratio, summary_ms
 from bench.engines import (
     BASE,
     EngineStack,
+    adapter_loads,
     cold_load,
     http_client,
     job_to_first_token,
@@ -43,14 +49,17 @@ from inference.vllm import VllmUnavailable, find_vllm
 
 logger = logging.getLogger(__name__)
 
-REQUESTS, IN_FLIGHT, MAX_TOKENS = 128, 32, 32
-ADAPTER_COUNTS = (1, 8, 32)
+REQUESTS, IN_FLIGHT, MAX_TOKENS = 128, 128, 16
+"""Every request of a round in flight at once, so up to 128 distinct adapters are in flight together."""
+ADAPTER_COUNTS = (1, 8, 32, 128)
+POPULARITY = ("uniform", "zipf")
+ZIPF_S = 1.1
 MAX_LORAS = 32
 """`--max-loras` of both engines (`engine_max_loras`): the most distinct adapters in one round."""
 RANK = 8
-REPETITIONS = 3
+REPETITIONS = 2
 COLD_LOADS = 8
-JOBS, JOB_STEPS = 3, 2
+JOBS, JOB_STEPS = 5, 2
 
 QUICK = {
     "requests": 8,
@@ -95,6 +104,19 @@ def make_adapters(base_dir: Path, out_root: Path, count: int, rank: int = RANK) 
     return paths
 
 
+def request_models(count: int, popularity: str, requests: int, seed: int = 0) -> list[str]:
+    """The model of each request of a round over `count` adapters (`lora0`...): `uniform` takes them in
+    turn, `zipf` draws adapter `k` with weight `1/(k+1)^ZIPF_S` (seeded: the same list on every engine and
+    repetition); `count` 0 is the base model alone."""
+    if count == 0:
+        return [BASE] * requests
+    if popularity == "uniform":
+        return [f"lora{i % count}" for i in range(requests)]
+    weights = [1.0 / (k + 1) ** ZIPF_S for k in range(count)]
+    picks = random.Random(seed * 1000 + count).choices(range(count), weights=weights, k=requests)
+    return [f"lora{k}" for k in picks]
+
+
 def vllm_or_reason(opts: Options) -> tuple[bool, str]:
     """Whether vLLM is measured, and why not where it is not."""
     if opts.quick:
@@ -126,12 +148,14 @@ async def _in_turns(
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    loads = [r["adapter_loads"] for r in runs]
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
         "tokens": sum(r["tokens"] for r in runs),
         "every_request_exact": all(r["every_request_exact"] for r in runs),
         "request_p50_s": statistics.median(r["request_p50_s"] for r in runs),
+        "adapter_loads_per_round": None if None in loads else statistics.median(loads),
     }
 
 
@@ -144,11 +168,15 @@ async def _measure_engines(
             for i in range(max(counts)):
                 await load_adapter(http, stack.url, f"lora{i}", adapters[i])
         rows = []
-        for count in (0, *counts):
-            models = [BASE] if count == 0 else [f"lora{i}" for i in range(count)]
+        mixes = [(0, "uniform")] + [
+            (count, popularity) for count in counts for popularity in POPULARITY[: 2 if count > 1 else 1]
+        ]
+        for count, popularity in mixes:
+            models = request_models(count, popularity, sizes["requests"])
 
             async def round_of(stack: EngineStack, rep: int, models: list[str] = models) -> dict[str, Any]:
-                return await throughput(
+                before = await adapter_loads(http, stack.url)
+                out = await throughput(
                     http,
                     stack.url,
                     models,
@@ -156,10 +184,26 @@ async def _measure_engines(
                     in_flight=sizes["in_flight"],
                     max_tokens=sizes["max_tokens"],
                 )
+                after = await adapter_loads(http, stack.url)
+                out["adapter_loads"] = None if before is None or after is None else after - before
+                return out
 
-            await _in_turns(stacks, 1, round_of, idle_cpu)  # warm-up: each engine's first batches of this mix
+            warm = list(dict.fromkeys(models))[:MAX_LORAS]
+
+            async def warm_up(stack: EngineStack, rep: int, warm: list[str] = warm) -> dict[str, Any]:
+                # the mix's first adapters made resident (as many as fit), its first batches run
+                return await throughput(
+                    http, stack.url, warm, requests=len(warm), in_flight=len(warm), max_tokens=2
+                )
+
+            await _in_turns(stacks, 1, warm_up, idle_cpu)
             runs = await _in_turns(stacks, sizes["repetitions"], round_of, idle_cpu)
-            row: dict[str, Any] = {"adapters": count, **{k: _median_row(v) for k, v in runs.items()}}
+            row: dict[str, Any] = {
+                "adapters": count,
+                "popularity": popularity,
+                "distinct": len(set(models)),
+                **{k: _median_row(v) for k, v in runs.items()},
+            }
             if "vllm" in row:
                 row["embedded_vs_vllm"] = ratio(row["embedded"]["tokens_per_s"], row["vllm"]["tokens_per_s"])
             rows.append(row)
@@ -200,7 +244,7 @@ async def _jobs(
     out: dict[str, Any] = {
         kind: {
             "success_to_first_token": summary_ms([r["success_to_first_token_s"] for r in v]),
-            "samples_ms": [r["success_to_first_token_s"] * 1000 for r in v],
+            "samples_ms": [round(r["success_to_first_token_s"] * 1000, 1) for r in v],
             "job_s_median": statistics.median(r["job_s"] for r in v),
             "model": v[0]["model"],
         }
@@ -257,7 +301,11 @@ def run(opts: Options) -> dict[str, Any]:
         for stack in stacks:
             start_front(stack)
         rows, cold = asyncio.run(_measure_engines(stacks, adapters, sizes, idle_cpu))
-        jobs = asyncio.run(_jobs(stacks, sizes["jobs"], JOB_STEPS, idle_cpu))
+        try:
+            jobs = asyncio.run(_jobs(stacks, sizes["jobs"], JOB_STEPS, idle_cpu))
+        except Exception as exc:  # the rows and cold loads measured so far are kept, the failure reported
+            logger.exception("adapters bench: the jobs failed")
+            jobs = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
         engines = {s.kind: s.label for s in stacks}
     finally:
         for stack in stacks:
@@ -270,6 +318,7 @@ def run(opts: Options) -> dict[str, Any]:
         "in_flight": sizes["in_flight"],
         "max_tokens": sizes["max_tokens"],
         "repetitions": sizes["repetitions"],
+        "zipf_s": ZIPF_S,
         "engines": engines,
         "vllm_skipped": skipped or None,
         "rows": rows,
@@ -285,29 +334,37 @@ def _cell(row: dict[str, Any], kind: str) -> str:
     return "-" if side is None else f"{side['tokens_per_s']:.0f} ({fmt(side['vs_base'])})"
 
 
+def _loads(row: dict[str, Any]) -> str:
+    side = row.get("embedded")
+    loads = None if side is None else side.get("adapter_loads_per_round")
+    return "-" if loads is None else f"{loads:.0f}"
+
+
 def markdown(report: dict[str, Any]) -> list[str]:
     engines = report["engines"]
     lines = [
         f"{' and '.join(engines.values())}, each started as `tunegate up` starts it with `--max-loras "
         f"{report['max_loras']}`, on {report['model']}, adapters of rank {report['adapter_rank']} on every "
         f"linear layer. {report['requests']} chats of exactly {report['max_tokens']} tokens (`ignore_eos`), "
-        f"{report['in_flight']} in flight, over HTTP to the engine; the engines take turns (never generating "
-        f"at once), {report['repetitions']} repetitions interleaved; medians.",
+        f"{report['in_flight']} in flight, over HTTP to the engine, to the base model or spread over N "
+        f"adapters with uniform or Zipf (s={report['zipf_s']}) popularity; the engines take turns (never "
+        f"generating at once), {report['repetitions']} repetitions interleaved; medians.",
     ]
     if report["vllm_skipped"]:
         lines += ["", f"vLLM left out: {report['vllm_skipped']}."]
     lines += [
         "",
-        "| models in flight | embedded tok/s (vs base) | vLLM tok/s (vs base) | embedded / vLLM "
-        "| every request exact |",
-        "|---|---|---|---|---|",
+        "| adapters | popularity (distinct used) | embedded tok/s (vs base) | vLLM tok/s (vs base) "
+        "| embedded / vLLM | embedded adapter loads a round | every request exact |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
-        name = "base only" if row["adapters"] == 0 else f"{row['adapters']} adapters"
+        name = "base only" if row["adapters"] == 0 else str(row["adapters"])
+        popularity = "-" if row["adapters"] == 0 else f"{row['popularity']} ({row['distinct']})"
         exact = all(row[k]["every_request_exact"] for k in engines)
         lines.append(
-            f"| {name} | {_cell(row, 'embedded')} | {_cell(row, 'vllm')} "
-            f"| {fmt(row.get('embedded_vs_vllm'))} | {exact} |"
+            f"| {name} | {popularity} | {_cell(row, 'embedded')} | {_cell(row, 'vllm')} "
+            f"| {fmt(row.get('embedded_vs_vllm'))} | {_loads(row)} | {exact} |"
         )
     cold, jobs = report["cold_load"], report["jobs"]
 
@@ -318,17 +375,27 @@ def markdown(report: dict[str, Any]) -> list[str]:
     timings = [
         ("cold adapter: the load call", cold, "load", None),
         ("cold adapter: load -> first token", cold, "load_to_first_token", cold.get("embedded_vs_vllm_p50")),
-        (
-            "job `succeeded` -> first token of its `ft:` model, through the gateway",
-            jobs,
-            "success_to_first_token",
-            jobs.get("embedded_vs_vllm_p50"),
-        ),
     ]
+    if "error" not in jobs:
+        timings.append(
+            (
+                "job `succeeded` -> first token of its `ft:` model, through the gateway",
+                jobs,
+                "success_to_first_token",
+                jobs.get("embedded_vs_vllm_p50"),
+            )
+        )
     lines += ["", "| ms, p50 / p99 | n | embedded | vLLM | embedded / vLLM (p50) |", "|---|---|---|---|---|"]
     for name, part, key, part_ratio in timings:
         sides = " | ".join(pair(part, kind, key) for kind in ("embedded", "vllm"))
         lines.append(f"| {name} | {part['embedded'][key]['n']} | {sides} | {fmt(part_ratio)} |")
+    if "error" in jobs:
+        lines += ["", f"Jobs not measured: {jobs['error']}"]
+    else:
+        samples = "; ".join(
+            f"{kind} {', '.join(f'{ms:.0f}' for ms in jobs[kind]['samples_ms'])}" for kind in engines
+        )
+        lines += ["", f"Job samples (ms, in turn): {samples}."]
     idle = ", ".join(f"{k} {v:.1f} s" for k, v in report["idle_cpu_s"].items())
     goal = report["goal"]
     lines += [""]

@@ -145,6 +145,15 @@ async def unload_adapter(http: httpx.AsyncClient, url: str, name: str) -> None:
         raise RuntimeError(f"unloading {name} on {url}: {resp.status_code} {resp.text[:300]}")
 
 
+async def adapter_loads(http: httpx.AsyncClient, url: str) -> int | None:
+    """Adapters the engine at `url` has loaded into its model so far (reloads after an eviction too), from
+    the embedded engine's `/v1/engine/stats`; None where the engine does not say (vLLM)."""
+    resp = await http.get(f"{url}/v1/engine/stats")
+    if resp.status_code != 200:
+        return None
+    return sum(int(m.get("adapter_loads", 0)) for m in resp.json()["models"].values())
+
+
 async def throughput(
     http: httpx.AsyncClient, url: str, models: list[str], *, requests: int, in_flight: int, max_tokens: int
 ) -> dict[str, Any]:

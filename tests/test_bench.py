@@ -182,14 +182,18 @@ def test_adapters_bench_measures_the_engines_in_turns(tmp_path: Path) -> None:
     a = run_quick("adapters", tmp_path)  # the embedded engine alone: quick mode leaves vLLM out
     assert "error" not in a, a.get("traceback")
     assert set(a["engines"]) == {"embedded"} and "quick mode" in a["vllm_skipped"]
-    assert [row["adapters"] for row in a["rows"]] == [0, 1, 4]
+    mixes = [(row["adapters"], row["popularity"]) for row in a["rows"]]
+    assert mixes == [(0, "uniform"), (1, "uniform"), (4, "uniform"), (4, "zipf")]
+    assert [row["distinct"] for row in a["rows"][:3]] == [1, 1, 4] and 1 <= a["rows"][3]["distinct"] <= 4
     for row in a["rows"]:
         side = row["embedded"]
         assert side["tokens"] == a["requests"] * a["max_tokens"] * a["repetitions"]  # ignore_eos: all of them
         assert side["every_request_exact"] is True and side["tokens_per_s"] > 0 and _number(side["vs_base"])
+        assert side["adapter_loads_per_round"] >= 0  # counted by the embedded engine (all resident here)
     cold = a["cold_load"]["embedded"]
     assert cold["load"]["n"] == cold["load_to_first_token"]["n"] == 2
     assert 0 < cold["load"]["p50_ms"] <= cold["load_to_first_token"]["p50_ms"]
+    assert "error" not in a["jobs"], a["jobs"]
     jobs = a["jobs"]["embedded"]
     assert jobs["model"].startswith("ft:tiny-chat:") and jobs["success_to_first_token"]["p50_ms"] > 0
     assert a["goal"]["met"] is None  # no vLLM measured, no ratio against it
