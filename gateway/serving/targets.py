@@ -51,6 +51,10 @@ class ModelCache:
 ALIAS_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A plain alias name (`prod`, `support-bot.v2`); the other form is `<model id>:latest`."""
 LATEST = ":latest"
+REUSED_NAME = ":tinker-"
+"""Marks the served model ids of Tinker sampler checkpoints (`gateway.tinker.paths.served_model_id`): saving a
+sampler again under its name gives the id new weights, so these are read from the database on every request,
+never remembered, and the first request after a save is served by the new version."""
 
 
 def may_be_alias(name: str) -> bool:
@@ -104,10 +108,12 @@ async def resolve_model(
     *,
     param: str = "model",
 ) -> Target:
-    """`resolve` without aliases: a base model, a model or checkpoint id, or a version id."""
+    """`resolve` without aliases: a base model, a model or checkpoint id, or a version id (remembered for a
+    few seconds: their versions never change, but for Tinker samplers', `REUSED_NAME`)."""
     if model_id in settings.base_models:
         return Target(model_id=model_id, base_model=model_id)
-    hit, target = models.get(org_id, model_id)
+    cacheable = REUSED_NAME not in model_id
+    hit, target = models.get(org_id, model_id) if cacheable else (False, None)
     if not hit and (model_id.startswith("ft:") or is_version(model_id)):
         if is_version(model_id):
             found = await store.find_version(pool, org_id, model_id)
@@ -127,7 +133,8 @@ async def resolve_model(
                 logger.warning(
                     "model %s names base model %s, which is not configured", model_id, found.base_model
                 )
-        models.put(org_id, model_id, target)
+        if cacheable:
+            models.put(org_id, model_id, target)
     if target is None:
         raise not_found("model", model_id, param=param, code="model_not_found")
     return target
