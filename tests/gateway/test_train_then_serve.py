@@ -71,13 +71,14 @@ def test_trained_model_is_loaded_before_success_and_answers(
 
     # The engine took the adapter before the job's success was committed (the database keeps microseconds).
     listed = engine.models()
-    assert model in listed and listed[model]["parent"] == "tiny-chat"
     finished = asyncio.run(_finished_at(gw, job.id))
-    assert listed[model]["loaded_at"] < finished.timestamp()
     reply = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "Say yes"}], max_tokens=8, temperature=0, seed=1
     )
     assert reply.model == model and reply.choices[0].message.role == "assistant"
+    version = reply.system_fingerprint  # engines know the model by its version
+    assert version is not None and version in listed and listed[version]["parent"] == "tiny-chat"
+    assert listed[version]["loaded_at"] < finished.timestamp()
     assert reply.usage is not None and reply.usage.completion_tokens > 0
 
     chunks = list(
@@ -104,4 +105,4 @@ def test_trained_model_is_loaded_before_success_and_answers(
 
     # Deleting the model unloads it from the engine.
     assert client.models.delete(model).deleted is True
-    assert model not in engine.models()
+    assert version not in engine.models()

@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import ft_model, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, make_settings
@@ -93,7 +94,7 @@ def test_more_adapters_than_vllm_keeps_are_used_in_turn_and_never_404(
         together = list(pool.map(lambda i: _answer(org, models[i % 4]), range(16)))
     assert together == first * 4
     assert engines.load_count == loads + len(models)
-    assert set(models) <= _served(vllm_server)
+    assert {adapter_version(path) for path in adapter_dirs} <= _served(vllm_server)  # served as versions
 
 
 def test_deleted_model_is_unloaded_and_its_folder_serves_again(
@@ -102,16 +103,16 @@ def test_deleted_model_is_unloaded_and_its_folder_serves_again(
     """Deleting a model unloads it from vLLM (gone from its `/v1/models`) and the gateway answers 404 for
     it; the same folder registered as another model is loaded again and gives the same answers."""
     model = ft_model(gateway, org, adapter_dirs[1])
+    version = adapter_version(adapter_dirs[1])  # what vLLM is given as the adapter's name
     before = _answer(org, model)
-    assert model in _served(vllm_server)
+    assert version in _served(vllm_server)
     assert org.client.models.delete(model).deleted is True
-    assert model not in _served(vllm_server)
+    assert version not in _served(vllm_server)
     with pytest.raises(openai.NotFoundError) as info:
         _answer(org, model)
     assert info.value.code == "model_not_found"
-    direct = httpx.post(
-        f"{vllm_server.url}/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2}
-    )
+    body = {"model": version, "messages": MESSAGES, "max_tokens": 2}
+    direct = httpx.post(f"{vllm_server.url}/v1/chat/completions", json=body)
     assert direct.status_code == 404
 
     again = ft_model(gateway, org, adapter_dirs[1])

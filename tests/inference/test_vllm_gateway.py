@@ -117,6 +117,14 @@ def _served(vllm_server: VllmEngineProcess) -> dict[str, dict[str, Any]]:
     return {m["id"]: m for m in httpx.get(f"{vllm_server.url}/v1/models", timeout=30).json()["data"]}
 
 
+def _engine_name(org: Tenant, model: str) -> str:
+    """The name vLLM knows `model` by: the version the gateway serves it as (its answers'
+    `system_fingerprint`), found by one request through the gateway."""
+    out = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)
+    assert out.system_fingerprint is not None
+    return out.system_fingerprint
+
+
 def _vllm(vllm_server: VllmEngineProcess, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """vLLM's own answer to `body`, asked directly (not through the gateway)."""
     resp = httpx.post(f"{vllm_server.url}/v1/{path}", json=body, timeout=120)
@@ -301,10 +309,11 @@ def test_fine_tuned_models_answer_with_their_adapter(
     for kind, model in models.items():
         out = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
         answers[kind] = out.choices[0].message.content
+        assert out.system_fingerprint is not None  # the name vLLM has for it: its version, or the base's
         direct = _vllm(
             vllm_server,
             "chat/completions",
-            {"model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0},
+            {"model": out.system_fingerprint, "messages": MESSAGES, "max_tokens": 12, "temperature": 0},
         )
         assert direct["choices"][0]["message"]["content"] == answers[kind]
     assert answers["fine-tuned"] != answers["base"]
@@ -331,9 +340,10 @@ def test_a_jobs_model_is_on_vllm_when_the_job_succeeds(
     assert current.status == "succeeded", current.error
     model = current.fine_tuned_model
     assert model is not None and model.startswith(f"ft:{BASE}:{org.org_id}:on-vllm:")
-    assert model in listed and listed[model]["parent"] == BASE
     reply = org.client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0)
     assert reply.model == model and reply.choices[0].message.content
+    version = reply.system_fingerprint  # vLLM knows the model by its version
+    assert version is not None and version in listed and listed[version]["parent"] == BASE
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
 
 
@@ -482,7 +492,9 @@ def test_tinker_samples_a_base_model_and_saved_weights_from_vllm(
         saved = tc.save_weights_for_sampler("on-vllm").result()
         model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
         served = served_model_id(BASE, org.org_id, model_id, name)
-        assert served in _served(vllm_server)
+        listed = _served(vllm_server)  # before any request for it
+        version = _engine_name(org, served)
+        assert version in listed
 
         sampler = service.create_sampling_client(model_path=saved.path)
         res = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=5, seed=3)).result()
@@ -492,7 +504,7 @@ def test_tinker_samples_a_base_model_and_saved_weights_from_vllm(
             assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens)
             assert all(lp <= 0 for lp in sequence.logprobs)
         (tuned,) = sampler.sample(prompt, 1, greedy).result().sequences
-        assert tuned.tokens == _vllm_tokens(vllm_server, served, TOKENS[:4], 6)
+        assert tuned.tokens == _vllm_tokens(vllm_server, version, TOKENS[:4], 6)
         # stop token ids (vLLM's `stop_token_ids`) end a sequence at the first of them, its last token
         stop = tuned.tokens[2]
         params = greedy.model_copy(update={"stop": [stop]})
@@ -552,7 +564,7 @@ def test_model_graders_score_with_vllms_verdicts(
             vllm_server,
             "chat/completions",
             {
-                "model": ft,
+                "model": _engine_name(org, ft),
                 "messages": [{"role": "user", "content": f"Score 0 to 1: {ITEM['question']} -> {sample}"}],
                 "temperature": 0,
                 "max_completion_tokens": 4,
@@ -616,6 +628,7 @@ def test_eval_run_of_a_fine_tuned_model_graded_by_a_model(
     """An eval run sampling the fine-tuned model, graded by a score_model grader on the base model and a
     string check: completed, no item errored, each sample vLLM's own answer and each score computed."""
     ft = models["fine-tuned"]
+    version = _engine_name(org, ft)
     questions = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in (1, 2)]
     sampling = {"temperature": 0, "max_completion_tokens": 6, "seed": 7}
     system = "Answer with the number only."
@@ -674,7 +687,7 @@ def test_eval_run_of_a_fine_tuned_model_graded_by_a_model(
     for item, question in zip(items, questions, strict=True):
         assert item.sample.error is None and item.sample.model == ft
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question["question"]}]
-        direct = _vllm(vllm_server, "chat/completions", {"model": ft, "messages": messages, **sampling})
+        direct = _vllm(vllm_server, "chat/completions", {"model": version, "messages": messages, **sampling})
         output = item.sample.output[0].content
         assert output == direct["choices"][0]["message"]["content"]
         judge, check = item.results
