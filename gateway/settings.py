@@ -211,7 +211,8 @@ class Settings(BaseSettings):
     """The devices a worker owns: `auto` (every GPU `nvidia-smi` lists, else `training_slots` CPU processes),
     GPU indices (`0,1,2,3`) or `cpu:N`. A job takes `gpus` of them (its hyperparameter) while it trains."""
     use_vllm: bool = False
-    """Reinforcement jobs on GPUs generate with vLLM (the `gpu` extra) instead of Transformers."""
+    """Reinforcement jobs on GPUs generate with vLLM (the `vllm` extra, `pip install 'tunegate[vllm]'`, in the
+    trainer's environment) instead of Transformers; see docs/training.md for CPUs."""
     vllm_server_gpus: int = Field(default=0, ge=0)
     """With `use_vllm`: 0 runs vLLM inside the trainer, on its devices (colocate); N > 0 gives each
     reinforcement job N more devices on which the worker runs `trl vllm-serve` for its generation (server)."""
