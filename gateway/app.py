@@ -104,6 +104,7 @@ def create_app(settings: Settings) -> FastAPI:
         res.usage.start(pool)
         usage_metrics = UsageCollector(res.usage)
         app.state.metrics.registry.register(usage_metrics)
+        app.state.metrics.registry.register(res.engines.metrics)
         app.state.resources = res
         flusher = asyncio.create_task(auth.run_flusher())
         try:
@@ -118,6 +119,7 @@ def create_app(settings: Settings) -> FastAPI:
             await res.usage.aclose()  # writes the usage still waiting in the buffer
             await res.engines.aclose()
             app.state.metrics.registry.unregister(usage_metrics)
+            app.state.metrics.registry.unregister(res.engines.metrics)
             if limits_redis is not None:
                 await limits_redis.aclose()
             if queue is not None:

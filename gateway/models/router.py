@@ -1,20 +1,43 @@
-"""Models API: base models from the registry, and the caller's fine-tuned models."""
+"""Models API: base models from the registry, and the caller's fine-tuned models.
+
+A fine-tuned model carries, next to OpenAI's fields, `tunegate`: its adapter version and what this gateway
+knows of it on each engine of its base model (`Engines.residency`; engines by index, never by URL).
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from fastapi import APIRouter
+from pydantic import Field
 
 from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.errors import PermissionDenied, not_found
 from gateway.models import store
 from gateway.models.store import ModelRow
 from gateway.protocol import OpenAIBaseModel
+from gateway.serving.engines import Engines
 from gateway.serving.service import forget_model
 from gateway.timeutil import ts
 
 router = APIRouter(prefix="/v1/models", tags=["models"], dependencies=[RequestLimitDep])
+
+
+class EngineResidency(OpenAIBaseModel):
+    engine: int
+    """The engine's index among its base model's engines."""
+    loaded: bool
+    """Whether this gateway knows the version is loaded there."""
+    last_used: int | None
+    """Unix time a request last started on it there (on this gateway)."""
+    load_s: float | None
+    """Seconds its latest load there took."""
+
+
+class Serving(OpenAIBaseModel):
+    version: str | None
+    """The adapter's version id; null until a request first resolves a model written before versions."""
+    engines: list[EngineResidency]
 
 
 class Model(OpenAIBaseModel):
@@ -22,10 +45,20 @@ class Model(OpenAIBaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str
+    tunegate: Serving | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Only for fine-tuned models."""
 
     @classmethod
-    def from_row(cls, row: ModelRow) -> Model:
-        return cls(id=row.id, created=ts(row.created_at) or 0, owned_by=row.organization_id)
+    def from_row(cls, row: ModelRow, engines: Engines) -> Model:
+        places = engines.residency(row.version, row.base_model) if row.version is not None else []
+        serving = Serving(
+            version=row.version,
+            engines=[
+                EngineResidency(engine=p.engine, loaded=p.loaded, last_used=p.last_used, load_s=p.load_s)
+                for p in places
+            ],
+        )
+        return cls(id=row.id, created=ts(row.created_at) or 0, owned_by=row.organization_id, tunegate=serving)
 
 
 class ModelList(OpenAIBaseModel):
@@ -50,7 +83,7 @@ def _base_models(res: ResourcesDep) -> list[Model]:
 @router.get("")
 async def list_models(res: ResourcesDep, who: PrincipalDep) -> ModelList:
     own = await store.list_for_org(res.pool, org_id=who.organization_id)
-    return ModelList(data=_base_models(res) + [Model.from_row(r) for r in own])
+    return ModelList(data=_base_models(res) + [Model.from_row(r, res.engines) for r in own])
 
 
 @router.get("/{model_id:path}")
@@ -61,7 +94,7 @@ async def retrieve_model(model_id: str, res: ResourcesDep, who: PrincipalDep) ->
     row = await store.get(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    return Model.from_row(row)
+    return Model.from_row(row, res.engines)
 
 
 @router.delete("/{model_id:path}")

@@ -20,12 +20,16 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
+from prometheus_client import Counter, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.serving.engine_client import EngineClient, make_client
@@ -37,6 +41,8 @@ from gateway.singleflight import SingleFlight
 logger = logging.getLogger(__name__)
 
 DOWN_FOR_S = 5.0
+DRAIN_TIMEOUT_S = 60.0
+"""How long an unload waits for the requests this gateway has running on the version (then unloads anyway)."""
 DEFAULT_CONTEXT_LENGTH = 1_048_576
 """Context length of a base model with no `context_length` setting whose `config.json` the gateway cannot
 read (the engines live elsewhere): generous, so only absurd `max_tokens` values are refused for it."""
@@ -269,6 +275,14 @@ class Upstream:
     loaded: set[str] = field(default_factory=set)
     """Adapter versions this gateway knows the engine holds (loaded by it, or found loaded already)."""
     down_until: float = 0.0
+    running: dict[str, int] = field(default_factory=dict)
+    """Requests of this gateway in flight on the engine, per adapter version."""
+    last_used: dict[str, float] = field(default_factory=dict)
+    """Unix time a request last started on each adapter version here."""
+    load_s: dict[str, float] = field(default_factory=dict)
+    """Seconds the latest load of each adapter version here took (kept until the gateway unloads it: a
+    load of a version found here is a reload, the engine having lost it)."""
+    _drained: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
     http: EngineClient = field(init=False, repr=False)
     """The keep-alive connections proxied requests use."""
 
@@ -277,6 +291,50 @@ class Upstream:
 
     def mark_down(self) -> None:
         self.down_until = time.monotonic() + DOWN_FOR_S
+
+    def acquire(self, version: str | None) -> None:
+        """One more request in flight here (on adapter `version`, or the base model when None)."""
+        self.in_flight += 1
+        if version is not None:
+            self.running[version] = self.running.get(version, 0) + 1
+            self.last_used[version] = time.time()
+
+    def release(self, version: str | None) -> None:
+        """That request ended; an unload waiting for the version's last request is let go."""
+        self.in_flight -= 1
+        if version is not None:
+            left = self.running.get(version, 1) - 1
+            if left > 0:
+                self.running[version] = left
+                return
+            self.running.pop(version, None)
+            event = self._drained.pop(version, None)
+            if event is not None:
+                event.set()
+
+    async def drained(self, version: str) -> None:
+        """Wait until no request of this gateway runs on `version` here."""
+        if self.running.get(version):
+            await self._drained.setdefault(version, asyncio.Event()).wait()
+
+    def forget(self, version: str) -> None:
+        """The gateway unloads `version` here."""
+        self.loaded.discard(version)
+        self.last_used.pop(version, None)
+        self.load_s.pop(version, None)
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """What this gateway knows of one adapter version on one engine of its base model."""
+
+    engine: int
+    """The engine's index among its base model's engines (their URLs are not shown to tenants)."""
+    loaded: bool
+    last_used: int | None
+    """Unix time a request last started on it here."""
+    load_s: float | None
+    """Seconds its latest load here took."""
 
 
 class UpstreamPool:
@@ -313,6 +371,10 @@ class Engines:
         self._loads: SingleFlight[tuple[str, str], None] = SingleFlight()
         self._limits = {name: read_limits(settings, name) for name in settings.base_models}
         """Read once, here, off the request path (a tokenizer's vocabulary may be megabytes)."""
+        self.metrics = AdapterMetrics()
+        self.drain_timeout_s = DRAIN_TIMEOUT_S
+        self._unloads: set[asyncio.Task[None]] = set()
+        """Unloads waiting for requests to end (`unload_everywhere`)."""
 
     @property
     def load_count(self) -> int:
@@ -341,23 +403,139 @@ class Engines:
         version = target.engine_model
         if target.adapter_path is None or version in upstream.loaded:
             return
+        metrics = self.metrics
 
         async def load() -> None:
-            await self.loader.load(upstream.url, target)
+            reload = version in upstream.load_s
+            t0 = time.perf_counter()
+            try:
+                await self.loader.load(upstream.url, target)
+            except BaseException:
+                metrics.load_failures.labels(target.base_model).inc()
+                raise
+            took = time.perf_counter() - t0
             upstream.loaded.add(version)
+            upstream.load_s[version] = took
+            metrics.loads.labels(target.base_model).inc()
+            metrics.load_seconds.labels(target.base_model).observe(took)
+            if reload:
+                metrics.evictions.labels(target.base_model).inc()
 
         await self._loads.run((upstream.url, version), load)
 
-    async def unload_everywhere(self, version: str, base_model: str | None = None) -> dict[str, str | None]:
-        """Unload adapter version `version` from every engine (of `base_model`, or of all), forgetting it here
-        first."""
-        for pool in self.pools.values():
-            for up in pool.upstreams:
-                up.loaded.discard(version)
-        return await self.loader.unload_everywhere(version, base_model)
+    def residency(self, version: str, base_model: str) -> list[Residency]:
+        """What this gateway knows of `version` on each engine of `base_model`."""
+        pool = self.pools.get(base_model)
+        out = []
+        for i, up in enumerate(pool.upstreams if pool is not None else []):
+            used = up.last_used.get(version)
+            out.append(
+                Residency(
+                    engine=i,
+                    loaded=version in up.loaded,
+                    last_used=int(used) if used is not None else None,
+                    load_s=up.load_s.get(version),
+                )
+            )
+        return out
+
+    async def unload_everywhere(self, version: str, base_model: str | None = None) -> None:
+        """Unload adapter version `version` from every engine (of `base_model`, or of all) once the requests
+        this gateway has running on it end (at most `drain_timeout_s`): at once when none runs, else in a
+        task of its own, so the caller does not wait for them."""
+        ups = [
+            up
+            for name, pool in self.pools.items()
+            if base_model is None or base_model not in self.pools or name == base_model
+            for up in pool.upstreams
+        ]
+        if not any(up.running.get(version) for up in ups):
+            await self._unload(version, base_model, ups)
+            return
+
+        async def drain_then_unload() -> None:
+            try:
+                async with asyncio.timeout(self.drain_timeout_s):
+                    await asyncio.gather(*(up.drained(version) for up in ups))
+            except TimeoutError:
+                logger.warning(
+                    "adapter %s still had requests running after %.0fs; unloading anyway",
+                    version,
+                    self.drain_timeout_s,
+                )
+            await self._unload(version, base_model, ups)
+
+        task = asyncio.create_task(drain_then_unload())
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, version: str, base_model: str | None, ups: list[Upstream]) -> None:
+        for up in ups:
+            up.forget(version)
+        done = await self.loader.unload_everywhere(version, base_model)
+        labels = {base_model} if base_model is not None else set(self.pools)
+        for name in labels:
+            self.metrics.unloads.labels(name).inc()
+        if any(reason is not None for reason in done.values()):
+            logger.warning("adapter %s not unloaded everywhere: %s", version, done)
 
     async def aclose(self) -> None:
+        for task in list(self._unloads):
+            task.cancel()
+        await asyncio.gather(*self._unloads, return_exceptions=True)
         await self.loader.aclose()
         for pool in self.pools.values():
             for up in pool.upstreams:
                 await up.http.aclose()
+
+
+class AdapterMetrics(Collector):
+    """Adapters on the engines, on `/metrics`, labelled by base model only (bounded cardinality): hits (a
+    request found its version loaded on the engine it went to), misses, loads, failed loads, evictions seen
+    (a load of a version the gateway had loaded there before: the engine lost it), unloads, and the loads'
+    latency. Registered with the app's registry in the lifespan."""
+
+    def __init__(self) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tunegate_adapter_{name}", doc, ["base_model"], registry=None)
+
+        self.hits = counter("hits", "Requests that found their adapter version loaded on their engine")
+        self.misses = counter("misses", "Requests whose adapter version had to be loaded on their engine")
+        self.loads = counter("loads", "Adapter versions loaded on engines")
+        self.load_failures = counter("load_failures", "Adapter loads that failed")
+        self.evictions = counter("evictions", "Reloads of versions loaded before: the engine had lost them")
+        self.unloads = counter("unloads", "Adapter versions the gateway unloaded from the engines")
+        self.load_seconds = Histogram(
+            "tunegate_adapter_load_seconds",
+            "Time an adapter load on an engine took",
+            ["base_model"],
+            registry=None,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
+        self._hits: dict[str, Any] = {}
+        self._misses: dict[str, Any] = {}
+        """Children kept per base model: `labels()` costs more than the update, on the request path."""
+
+    def hit(self, base_model: str) -> None:
+        child = self._hits.get(base_model)
+        if child is None:
+            child = self._hits[base_model] = self.hits.labels(base_model)
+        child.inc()
+
+    def miss(self, base_model: str) -> None:
+        child = self._misses.get(base_model)
+        if child is None:
+            child = self._misses[base_model] = self.misses.labels(base_model)
+        child.inc()
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in (
+            self.hits,
+            self.misses,
+            self.loads,
+            self.load_failures,
+            self.evictions,
+            self.unloads,
+            self.load_seconds,
+        ):
+            yield from metric.collect()

@@ -43,7 +43,8 @@ async def resolve(res: Resources, who: Principal, model_id: str, *, param: str =
 
 async def forget_model(res: Resources, model_id: str, base_model: str, version: str | None) -> None:
     """A deleted model stops answering at once on this gateway (cache dropped) and its version leaves the
-    engines (another model of the same content loads it again on its next request)."""
+    engines once the requests running on it end (`Engines.unload_everywhere`; another model of the same
+    content loads it again on its next request)."""
     res.models.invalidate(model_id)
     if version is not None:
         res.models.invalidate(version)
@@ -51,6 +52,11 @@ async def forget_model(res: Resources, model_id: str, base_model: str, version: 
 
 
 # ---------------------------------------------------------------------------------------------- proxy
+def _adapter(target: Target) -> str | None:
+    """The adapter version `target` runs on at the engines, or None for a base model."""
+    return target.engine_model if target.adapter_path is not None else None
+
+
 def _is_unknown_model(status: int, raw: bytes) -> bool:
     return status == 404 and b"model" in raw[:2000].lower()
 
@@ -58,37 +64,42 @@ def _is_unknown_model(status: int, raw: bytes) -> bool:
 async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple[Upstream, UpstreamResponse]:
     """Send the request to the best engine; the next one when an engine cannot be reached.
 
-    Returns the engine (its `in_flight` counting this request until the caller lowers it) and its response,
-    status and headers read, with a status below 400; raises the engine's error otherwise (as
+    Returns the engine (counting this request in flight until the caller's `Upstream.release`) and its
+    response, status and headers read, with a status below 400; raises the engine's error otherwise (as
     `engine_errors.engine_error` maps it), or 503 when no engine answers.
     """
-    adapter = target.engine_model if target.adapter_path is not None else None
+    adapter = _adapter(target)
     last: Exception | None = None
+    metrics = res.engines.metrics
     for up in res.engines.pool_for(target.base_model).candidates(adapter):
         for attempt in range(2):
-            up.in_flight += 1
+            up.acquire(adapter)
             try:
-                if adapter is not None and adapter not in up.loaded:
-                    await res.engines.ensure_loaded(up, target)
+                if adapter is not None:
+                    if adapter in up.loaded:
+                        metrics.hit(target.base_model)
+                    else:
+                        metrics.miss(target.base_model)
+                        await res.engines.ensure_loaded(up, target)
                 resp = await up.http.post(path, body)
             except (UpstreamUnreachable, httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                up.in_flight -= 1
+                up.release(adapter)
                 up.mark_down()
                 last = exc
                 logger.warning("engine %s unreachable: %s", up.url, exc)
                 break
             except (UpstreamBroken, httpx.HTTPError) as exc:
-                up.in_flight -= 1
+                up.release(adapter)
                 logger.warning("engine %s failed: %s", up.url, exc)
                 raise ServiceUnavailable(
                     f"The inference engine for model '{target.model_id}' failed: {type(exc).__name__}."
                 ) from None
             except BaseException:
-                up.in_flight -= 1
+                up.release(adapter)
                 raise
             if resp.status < 400:
                 return up, resp
-            up.in_flight -= 1
+            up.release(adapter)
             try:
                 raw = await resp.read()
             except UpstreamBroken:
@@ -161,7 +172,7 @@ async def complete(
             logger.warning("answer from %s broke: %s", up.url, exc)
             raise ServiceUnavailable(f"The inference engine failed while answering: {exc}") from None
         finally:
-            up.in_flight -= 1
+            up.release(_adapter(target))
             await resp.aclose()
         out, usage = rewrite_response(raw, proxy.model, target.served_version)
         status = resp.status
@@ -208,7 +219,7 @@ async def stream(
     try:
         first = await anext(pieces, b"")
     except BaseException as exc:
-        up.in_flight -= 1
+        up.release(_adapter(target))
         await resp.aclose()
         _meter(res, who, proxy, target, admission, None, started=started, status=503)
         if isinstance(exc, UpstreamBroken):
@@ -260,7 +271,7 @@ async def stream(
         )
         rewriter.saw_done = True
     finally:
-        up.in_flight -= 1
+        up.release(_adapter(target))
         await resp.aclose()
         usage = rewriter.usage
         if usage is None:
