@@ -26,6 +26,7 @@ import logging
 import shutil
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -264,7 +265,9 @@ class Holder:
                 self.queue, self.settings.queue_name, self.model_id, time.time_ns(), function=RUN_TINKER_MODEL
             )
 
-    async def _save(self, op: str, key: str, *, optimizer: bool = False, grads: bool = False) -> str:
+    @contextlib.asynccontextmanager
+    async def _written(self, op: str, *, optimizer: bool = False, grads: bool = False) -> AsyncIterator[Path]:
+        """A temporary directory the training process wrote with `op`, removed afterwards."""
         temp = self.blobs.new_temp()
         try:
             reply = await self.process.call(
@@ -272,9 +275,13 @@ class Holder:
             )
             if not reply["ok"]:
                 raise RuntimeError(reply["error"])
-            return str(self.blobs.put_tree(temp, key))
+            yield temp
         finally:
             shutil.rmtree(temp, ignore_errors=True)
+
+    async def _save(self, op: str, key: str, *, optimizer: bool = False, grads: bool = False) -> str:
+        async with self._written(op, optimizer=optimizer, grads=grads) as temp:
+            return str(self.blobs.put_tree(temp, key))
 
     async def _answer(self, req: RequestRow) -> None:
         kind = req.kind
@@ -332,14 +339,18 @@ class Holder:
         name = payload["name"]
         base = self.model.base_model
         key = checkpoint_key(self.org_id, self.model_id, SEGMENT["sampler"], name)
-        path = await self._save("save_sampler", key)
+        async with self._written("save_sampler") as temp:
+            version = await asyncio.to_thread(adapter_version, temp)
+            # A folder a version: saved again under its name, a sampler's earlier version keeps its files, so
+            # a request admitted for it before this save never loads the new weights under the old id.
+            path = str(self.blobs.put_tree(temp, f"{key}/{version}"))
         served = served_model_id(base, self.org_id, self.model_id, name)
-        version = await asyncio.to_thread(adapter_version, path)
         await store.add_checkpoint(
             self.pool, org_id=self.org_id, model_id=self.model_id, kind="sampler", name=name, path=path,
             served_model=served, with_optimizer=False, size_bytes=_size(Path(path)), base_model=base,
             ttl_s=payload.get("ttl_seconds"), version=version,
         )  # fmt: skip
+        await asyncio.to_thread(_drop_older_versions, Path(path))
         # the engines load it now, as after a fine-tuning job (a miss loads it on the first request anyway)
         async with AdapterLoader(self.settings) as loader:
             await loader.load_everywhere(served, base, path, version)
@@ -367,6 +378,20 @@ def _raise(reply: dict[str, Any]) -> None:
     if reply.get("category") == "user":
         raise _UserError(reply["error"])
     raise RuntimeError(reply["error"])
+
+
+VERSION_GRACE_S = 300.0
+"""How long the files of a sampler's earlier version outlive a save under its name: requests admitted for it
+before the save may still be loading it."""
+
+
+def _drop_older_versions(current: Path) -> None:
+    """Remove the folders of a sampler name's earlier versions (beside `current`) older than the grace."""
+    cutoff = time.time() - VERSION_GRACE_S
+    for sibling in current.parent.iterdir():
+        with contextlib.suppress(OSError):
+            if sibling != current and sibling.is_dir() and sibling.stat().st_mtime < cutoff:
+                shutil.rmtree(sibling)
 
 
 def _size(path: Path) -> int:

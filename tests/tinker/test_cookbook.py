@@ -19,10 +19,10 @@ import asyncpg
 import pytest
 import tinker
 
-from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.source import load_script
 from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.tinker import sampler_folder
 
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is installed by scripts/install")
 
@@ -54,9 +54,7 @@ def adapter(gw: GatewayServer, org: Tenant, sampler_path: str) -> dict[str, Any]
     """The LoRA tensors of a sampler checkpoint, as the server stored them."""
     from safetensors.torch import load_file
 
-    parsed = parse_tinker_path(sampler_path)
-    assert parsed is not None and parsed[1] == "sampler", sampler_path
-    folder = gw.settings.blob_dir / checkpoint_key(org.org_id, parsed[0], SEGMENT["sampler"], parsed[2])
+    folder = sampler_folder(gw.settings.blob_dir, org.org_id, sampler_path)
     return load_file(str(folder / "adapter_model.safetensors"))
 
 

@@ -21,10 +21,10 @@ from tinker import types
 
 from gateway.db import create_pool
 from gateway.tinker import store as tinker_store
-from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path, served_model_id, tinker_path
+from gateway.tinker.paths import parse_tinker_path, served_model_id, tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
-from tests.support.tinker import datum
+from tests.support.tinker import datum, sampler_folder, sampler_versions
 
 STALE_S = 4.0
 BUDGET_PAUSE_S = 4
@@ -73,8 +73,7 @@ def test_training_lowers_the_loss_and_forward_matches_peft(
 
     # forward's log-probabilities are those of transformers + PEFT on the same weights
     saved = tc.save_weights_for_sampler("peft-check").result()
-    model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
-    adapter = gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, SEGMENT["sampler"], name)
+    adapter = sampler_folder(gw.settings.blob_dir, org.org_id, saved.path)
     out = tc.forward(data, "cross_entropy").result()
     expected = _peft_logprobs(gw.settings.base_models["tiny-chat"].path, adapter, DATA)
     for got, want in zip(out.loss_fn_outputs, expected, strict=True):
@@ -136,6 +135,21 @@ def test_sampler_weights_sample_and_answer_chat(
         model=served, messages=[{"role": "user", "content": "1+1="}], max_tokens=4
     )
     assert reply.model == served and reply.usage is not None and reply.usage.completion_tokens > 0
+
+    # Saved again under its name after another step: a new version in a folder of its own, served from the
+    # next request on; the earlier version's files stay as they were.
+    (first,) = sampler_versions(gw.settings.blob_dir, org.org_id, named.path)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
+    tc.forward_backward([datum(t) for t in DATA], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=0.01)).result()
+    assert tc.save_weights_for_sampler("chat").result().path == named.path
+    folders = sampler_versions(gw.settings.blob_dir, org.org_id, named.path)
+    assert len(folders) == 2 and folders[0] == first
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
+    again = org.client.chat.completions.create(
+        model=served, messages=[{"role": "user", "content": "1+1="}], max_tokens=4
+    )
+    assert reply.system_fingerprint == first.name and again.system_fingerprint == folders[1].name
 
 
 @pytest.mark.timeout(600)
