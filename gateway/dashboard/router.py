@@ -27,6 +27,7 @@ PAGES = {
     "jobs": "Fine-tuning jobs",
     "playground": "Playground",
     "files": "Files and environments",
+    "models": "Models and aliases",
     "usage": "Usage and costs",
     "evals": "Evals",
     "admin": "Administration",
