@@ -1,8 +1,8 @@
 """Adapters on the engines, as the gateway sees them: drained before an unload, shown on `/v1/models`, counted
 on `/metrics`.
 
-One gateway in front of an embedded engine; models are registered as the worker records them, with random
-LoRA adapters.
+A gateway in front of an embedded engine, and for the drain one in front of the session's vLLM too (skipped
+where vLLM is not installed); models are registered as the worker records them, with random LoRA adapters.
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import EngineServer, ft_model, make_lora_adapter, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.vllm import vllm_gateway_fixture
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir: Path) -> Iterator[EngineServer]:
-    server = EngineServer.start({BASE: str(tiny_model_dir)})
-    yield server
-    server.stop()
+pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +39,22 @@ def gateway(
     )
     yield server
     server.stop()
+
+
+vllm_gw = vllm_gateway_fixture("residency")
+
+
+@pytest.fixture(scope="module", params=["embedded", "vllm"])
+def served(request: pytest.FixtureRequest) -> tuple[GatewayServer, str]:
+    """A gateway and the URL of its one engine."""
+    if request.param == "embedded":
+        return request.getfixturevalue("gateway"), request.getfixturevalue("engine").url
+    return request.getfixturevalue("vllm_gw"), request.getfixturevalue("vllm_server").url
+
+
+def _engine_models(url: str) -> set[str]:
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        return {m["id"] for m in http.get(f"{url}/v1/models").json()["data"]}
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +91,10 @@ def _adapter_metrics(gateway: GatewayServer) -> dict[str, float]:
 
 
 def test_a_stream_running_while_its_model_is_deleted_finishes_and_the_unload_waits_for_it(
-    gateway: GatewayServer, engine: EngineServer, org: Tenant, adapters: list[str]
+    served: tuple[GatewayServer, str], adapters: list[str]
 ) -> None:
+    gateway, engine_url = served
+    org = admin_of(gateway).tenant("residency-drain-" + secrets.token_hex(3))
     model = ft_model(gateway, org, adapters[0])
     version = adapter_version(adapters[0])
     upstream = resources_of(gateway).engines.pools[BASE].upstreams[0]
@@ -102,7 +116,7 @@ def test_a_stream_running_while_its_model_is_deleted_finishes_and_the_unload_wai
             again = other.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES})
             assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found"
         assert upstream.running.get(version) == 1
-        assert version in engine.models()  # not unloaded under the running stream
+        assert version in _engine_models(engine_url)  # not unloaded under the running stream
         done = False
         for line in lines:
             if line.startswith("data: {"):
@@ -114,10 +128,10 @@ def test_a_stream_running_while_its_model_is_deleted_finishes_and_the_unload_wai
     assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     # the unload follows the stream's end
     for _ in range(600):
-        if version not in engine.models():
+        if version not in _engine_models(engine_url):
             break
         threading.Event().wait(0.05)
-    assert version not in engine.models()
+    assert version not in _engine_models(engine_url)
     assert version not in upstream.loaded and not upstream.running.get(version)
 
 
