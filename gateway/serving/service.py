@@ -61,6 +61,11 @@ def _is_unknown_model(status: int, raw: bytes) -> bool:
     return status == 404 and b"model" in raw[:2000].lower()
 
 
+RELOADS_AFTER_A_LOSS = 3
+"""Times one request loads its adapter again on an engine that answers it does not hold it (restarted, or an
+unload raced the load) before the engine's 404 reaches the client."""
+
+
 async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple[Upstream, UpstreamResponse]:
     """Send the request to the best engine; the next one when an engine cannot be reached.
 
@@ -72,7 +77,7 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
     last: Exception | None = None
     metrics = res.engines.metrics
     for up in res.engines.pool_for(target.base_model).candidates(adapter):
-        for attempt in range(2):
+        for attempt in range(1 + RELOADS_AFTER_A_LOSS):
             up.acquire(adapter)
             try:
                 if adapter is not None:
@@ -106,7 +111,7 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
                 raw = b""
             finally:
                 await resp.aclose()
-            if adapter is not None and attempt == 0 and _is_unknown_model(resp.status, raw):
+            if adapter is not None and attempt < RELOADS_AFTER_A_LOSS and _is_unknown_model(resp.status, raw):
                 # The engine lost the adapter (restart, eviction by name, another gateway unloaded it).
                 up.loaded.discard(adapter)
                 continue
