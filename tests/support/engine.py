@@ -78,7 +78,8 @@ def register_model(
             job_id = model_id.rsplit(":", 1)[-1]
             await conn.execute(
                 "INSERT INTO fine_tuning_jobs (id, organization_id, model, training_file, status, method,"
-                " seed) VALUES ($1, $2, $3, 'file-x', 'succeeded', '{}'::jsonb, 1)"
+                " seed) VALUES ($1, $2, $3, 'file-x', 'succeeded',"
+                """ '{"type": "supervised", "supervised": {}}'::jsonb, 1)"""
                 " ON CONFLICT (id) DO NOTHING",
                 job_id,
                 org_id,
