@@ -221,7 +221,7 @@ def test_more_adapters_than_the_engine_holds_round_robin(
 ) -> None:
     models = [ft_model(stack.gateway, stack.org, path) for path in adapters]
     expected = dict(zip(models, versions, strict=True))
-    rounds = 100 if stack.name == "embedded" else 40
+    rounds = 100
     evicted = _embedded_evictions(stack)
     with stack.http() as http:
 
