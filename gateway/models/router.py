@@ -1,11 +1,13 @@
 """Models API: base models from the registry, and the caller's fine-tuned models.
 
-A fine-tuned model carries, next to OpenAI's fields, `tunegate`: its adapter version and what this gateway
-knows of it on each engine of its base model (`Engines.residency`; engines by index, never by URL).
+A fine-tuned model carries, next to OpenAI's fields, `tunegate`: its adapter version and, on each engine of
+its base model, whether the engine holds it (asked once a listing: `Engines.held`) and when this gateway last
+used it and loaded it (`Engines.residency`; engines by index, never by URL).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Literal
 
 from fastapi import APIRouter
@@ -27,7 +29,7 @@ class EngineResidency(OpenAIBaseModel):
     engine: int
     """The engine's index among its base model's engines."""
     loaded: bool
-    """Whether this gateway knows the version is loaded there."""
+    """Whether the engine holds the version (as it says; as this gateway knows where it does not answer)."""
     last_used: int | None
     """Unix time a request last started on it there (on this gateway)."""
     load_s: float | None
@@ -49,8 +51,13 @@ class Model(OpenAIBaseModel):
     """Only for fine-tuned models."""
 
     @classmethod
-    def from_row(cls, row: ModelRow, engines: Engines) -> Model:
-        places = engines.residency(row.version, row.base_model) if row.version is not None else []
+    def from_row(cls, row: ModelRow, engines: Engines, held: dict[str, list[set[str] | None]]) -> Model:
+        """The model of `row`; `held`: what each engine of each base model holds (`Engines.held`)."""
+        places = (
+            engines.residency(row.version, row.base_model, held.get(row.base_model))
+            if row.version is not None
+            else []
+        )
         serving = Serving(
             version=row.version,
             engines=[
@@ -83,7 +90,14 @@ def _base_models(res: ResourcesDep) -> list[Model]:
 @router.get("")
 async def list_models(res: ResourcesDep, who: PrincipalDep) -> ModelList:
     own = await store.list_for_org(res.pool, org_id=who.organization_id)
-    return ModelList(data=_base_models(res) + [Model.from_row(r, res.engines) for r in own])
+    held = await _held(res.engines, {r.base_model for r in own})
+    return ModelList(data=_base_models(res) + [Model.from_row(r, res.engines, held) for r in own])
+
+
+async def _held(engines: Engines, base_models: set[str]) -> dict[str, list[set[str] | None]]:
+    """What the engines of each of `base_models` hold, asked once for all of them."""
+    names = sorted(base_models)
+    return dict(zip(names, await asyncio.gather(*(engines.held(n) for n in names)), strict=True))
 
 
 @router.get("/{model_id:path}")
@@ -94,7 +108,7 @@ async def retrieve_model(model_id: str, res: ResourcesDep, who: PrincipalDep) ->
     row = await store.get(res.pool, org_id=who.organization_id, model_id=model_id)
     if row is None:
         raise not_found("model", model_id, param="model", code="model_not_found")
-    return Model.from_row(row, res.engines)
+    return Model.from_row(row, res.engines, await _held(res.engines, {row.base_model}))
 
 
 @router.delete("/{model_id:path}")

@@ -41,6 +41,8 @@ from gateway.singleflight import SingleFlight
 logger = logging.getLogger(__name__)
 
 DOWN_FOR_S = 5.0
+HELD_TIMEOUT_S = 2.0
+"""How long the models API waits for an engine to say which adapters it holds."""
 DRAIN_TIMEOUT_S = 60.0
 """How long an unload waits for the requests this gateway has running on the version (then unloads anyway)."""
 DEFAULT_CONTEXT_LENGTH = 1_048_576
@@ -423,16 +425,36 @@ class Engines:
 
         await self._loads.run((upstream.url, version), load)
 
-    def residency(self, version: str, base_model: str) -> list[Residency]:
-        """What this gateway knows of `version` on each engine of `base_model`."""
+    async def held(self, base_model: str) -> list[set[str] | None]:
+        """The models each engine of `base_model` says it serves (its `/v1/models`: the base model and the
+        adapter versions it holds), None for an engine that does not answer within `HELD_TIMEOUT_S`."""
+        pool = self.pools.get(base_model)
+
+        async def one(up: Upstream) -> set[str] | None:
+            try:
+                resp = await self.loader.client.get(f"{up.url}/v1/models", timeout=HELD_TIMEOUT_S)
+                resp.raise_for_status()
+                return {m["id"] for m in resp.json()["data"] if isinstance(m.get("id"), str)}
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+                return None
+
+        return list(await asyncio.gather(*(one(up) for up in pool.upstreams))) if pool is not None else []
+
+    def residency(
+        self, version: str, base_model: str, held: list[set[str] | None] | None = None
+    ) -> list[Residency]:
+        """`version` on each engine of `base_model`: loaded as the engine says in `held` (`Engines.held`),
+        else as this gateway knows it; when it last started a request there and its load time, as this
+        gateway saw them."""
         pool = self.pools.get(base_model)
         out = []
         for i, up in enumerate(pool.upstreams if pool is not None else []):
             used = up.last_used.get(version)
+            says = held[i] if held is not None and i < len(held) else None
             out.append(
                 Residency(
                     engine=i,
-                    loaded=version in up.loaded,
+                    loaded=version in says if says is not None else version in up.loaded,
                     last_used=int(used) if used is not None else None,
                     load_s=up.load_s.get(version),
                 )

@@ -181,3 +181,30 @@ def test_models_show_their_version_and_residency_and_metrics_count_adapters(
     with _http(gateway, org) as http:
         assert http.delete(f"/v1/models/{model}").status_code == 200
     assert _adapter_metrics(gateway)["tunegate_adapter_unloads_total"] >= 1
+
+
+def test_residency_is_what_the_engine_says_it_holds(
+    gateway: GatewayServer, engine: EngineServer, org: Tenant, adapters: list[str]
+) -> None:
+    """Loaded or not as the engine says (its `/v1/models`), not only as this gateway saw it: a version
+    unloaded or loaded on the engine by others (another gateway, the worker before a job says `succeeded`)
+    shows so at once."""
+    model = ft_model(gateway, org, adapters[2])
+    version = adapter_version(adapters[2])
+
+    def loaded() -> bool:
+        with _http(gateway, org) as http:
+            [place] = http.get(f"/v1/models/{model}").json()["tunegate"]["engines"]
+        return bool(place["loaded"])
+
+    with _http(gateway, org) as http:  # a request stores the version and loads it
+        chat = {"model": model, "messages": MESSAGES, "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+    assert loaded()
+    with httpx.Client(base_url=engine.url, trust_env=False, timeout=60) as direct:
+        assert direct.post("/v1/unload_lora_adapter", json={"lora_name": version}).status_code == 200
+        assert version in resources_of(gateway).engines.pools[BASE].upstreams[0].loaded  # the gateway's view
+        assert not loaded()
+        body = {"lora_name": version, "lora_path": adapters[2]}
+        assert direct.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert loaded()
