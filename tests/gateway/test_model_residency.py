@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,26 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import EngineServer, ft_model, make_lora_adapter, resources_of
-from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import GatewayServer, Tenant, admin_of
 from tests.support.vllm import vllm_gateway_fixture
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    engine: EngineServer,
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services, database, tiny_model_dir, tmp_path_factory.mktemp("residency-data"), upstreams=[engine.url]
-    )
-    yield server
-    server.stop()
-
+gateway = gateway_fixture("residency")
+"""A gateway in front of the module's embedded engine (`engine`)."""
 
 vllm_gw = vllm_gateway_fixture("residency")
 

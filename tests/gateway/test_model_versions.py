@@ -29,7 +29,8 @@ import pytest
 from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import EngineServer, ft_model, make_lora_adapter, register_model
-from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
+from tests.support.fixtures import gateway_fixture
+from tests.support.stack import GatewayServer, Tenant, admin_of
 from tests.support.vllm import vllm_gateway_fixture
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
@@ -53,24 +54,8 @@ def one_slot_engine(tiny_model_dir: Path) -> Iterator[EngineServer]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def embedded_gw(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    one_slot_engine: EngineServer,
-) -> Iterator[GatewayServer]:
-    server = start_gateway(
-        services,
-        database,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("versions-data"),
-        upstreams=[one_slot_engine.url],
-    )
-    yield server
-    server.stop()
-
+embedded_gw = gateway_fixture("versions", engine="one_slot_engine")
+"""A gateway in front of the embedded engine that holds one adapter at a time."""
 
 vllm_gw = vllm_gateway_fixture("versions")
 

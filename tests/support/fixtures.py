@@ -26,7 +26,7 @@ def gateway_fixture(
     label: str,
     *,
     scope: Scope = "module",
-    engine: bool = True,
+    engine: bool | str = True,
     own_database: bool = False,
     **settings: Any,
 ) -> Any:
@@ -34,7 +34,8 @@ def gateway_fixture(
     defaults, stopped after its `scope`.
 
     - `label`: names its data dir (and its database, with `own_database`).
-    - `engine`: `tiny-chat` served by the module's engine (the `engine` fixture); else by no upstream.
+    - `engine`: `tiny-chat` served by the module's engine (the `engine` fixture, or the fixture of that name);
+      False: by no upstream.
     - `own_database`: a database of its own, dropped afterwards, where no other module's worker claims its
       jobs and runs; else the session's shared database.
     """
@@ -52,7 +53,8 @@ def gateway_fixture(
                 database = stack.enter_context(scratch_database(services.pg_dsn, prefix))
             else:
                 database = request.getfixturevalue("database")
-            upstreams = [request.getfixturevalue("engine").url] if engine else []
+            engine_fixture = engine if isinstance(engine, str) else "engine"
+            upstreams = [request.getfixturevalue(engine_fixture).url] if engine else []
             data_dir = tmp_path_factory.mktemp(f"{label}-data")
             server = start_gateway(
                 services, database, tiny_model_dir, data_dir, upstreams=upstreams, **settings
