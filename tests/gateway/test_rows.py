@@ -60,9 +60,12 @@ def test_row_to_takes_the_fields_by_column_name() -> None:
         "base_model": "tiny-chat",
         "organization_id": "org-1",
         "id": "ft:tiny-chat:org-1::ftjob-1",
+        "version": "v-" + "0" * 24,
     }
     row = row_to(ModelRow, record)
-    assert row == ModelRow("ft:tiny-chat:org-1::ftjob-1", "org-1", "tiny-chat", None, "/blobs/a", now)
+    assert row == ModelRow(
+        "ft:tiny-chat:org-1::ftjob-1", "org-1", "tiny-chat", None, "/blobs/a", now, "v-" + "0" * 24
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         row.adapter_path = "/elsewhere"  # type: ignore[misc]
     assert maybe_row_to(ModelRow, None) is None
