@@ -124,11 +124,20 @@ def _sampling(
     n, max_tokens, requests = (2, 8, 2) if opts.quick else (8, 48, 8)
     auth = {"Authorization": f"Bearer {key}"}
     rates: dict[str, list[float]] = {"engine": [], "gateway": [], "tinker": []}
-    asyncio.run(_engine_rate(gateway_url, auth, served, prompt, 1, 1, 1))  # the adapter loaded, paths warm
+    # the adapter loaded, paths warm; the engine knows it by its version, which the answer names
+    warm = httpx.post(
+        f"{gateway_url}/v1/completions",
+        json={"model": served, "prompt": prompt, "max_tokens": 1},
+        headers=auth,
+        timeout=300,
+        trust_env=False,
+    )
+    warm.raise_for_status()
+    version = warm.json()["system_fingerprint"]
     _tinker_rate(sampler, prompt, 1, 1, 1)
     for _ in range(1 if opts.quick else 3):  # alternate, so that drift hits all three
         rates["engine"].append(
-            asyncio.run(_engine_rate(engine_url, {}, served, prompt, n, max_tokens, requests))
+            asyncio.run(_engine_rate(engine_url, {}, version, prompt, n, max_tokens, requests))
         )
         rates["gateway"].append(
             asyncio.run(_engine_rate(gateway_url, auth, served, prompt, n, max_tokens, requests))
