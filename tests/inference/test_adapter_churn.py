@@ -68,14 +68,15 @@ class Side:
             return [m["id"] for m in http.get(f"{self.url}/v1/models").json()["data"]]
 
     def served_as(self, model: str) -> tuple[str, str]:
-        """The name the engine serves `model` under (the gateway may give engines another name than the
-        model's, such as a version id), and the adapter folder it loaded, found by a first request for it."""
+        """The name the engine serves `model` under (its version, which the answer to a request for it
+        names), and the adapter folder the engine loaded for it."""
+        reply = self.chat(model)
+        served = reply.system_fingerprint
+        assert reply.choices[0].message.content and served is not None
         with httpx.Client(trust_env=False, timeout=30) as http:
-            before = {m["id"] for m in http.get(f"{self.url}/v1/models").json()["data"]}
-            assert self.chat(model).choices[0].message.content
-            new = [m for m in http.get(f"{self.url}/v1/models").json()["data"] if m["id"] not in before]
-        assert len(new) == 1, new
-        return new[0]["id"], new[0]["root"]
+            listed = {m["id"]: m for m in http.get(f"{self.url}/v1/models").json()["data"]}
+        assert served in listed, (served, sorted(listed))
+        return served, listed[served]["root"]
 
     def gateway_view(self) -> set[str]:
         """The adapters the gateway believes its engine holds."""
@@ -234,8 +235,11 @@ def test_unload_during_streams_lets_every_stream_finish_on_its_adapter(
     texts: list[str | None] = [None] * 10
     reasons: list[str | None] = [None] * 10
 
+    ready = threading.Barrier(10)
+
     def stream(i: int) -> None:
         parts: list[str] = []
+        ready.wait(60)  # the ten sent together, so that none can end before the last has begun
         for chunk in side.chat(model, stream=True, **long):
             for choice in chunk.choices:
                 if choice.delta.content:

@@ -370,6 +370,7 @@ def test_vllm_killed_mid_stream_is_restarted_and_serves_adapters_again(
         model=model,
         messages=MESSAGES,
         max_tokens=900,
+        n=8,  # eight answers of 900 tokens: long enough to be cut on a fast machine too
         stream=True,
         extra_body={"ignore_eos": True},  # vLLM's: a generation long enough to be cut
     )
