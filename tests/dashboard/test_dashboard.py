@@ -139,7 +139,14 @@ def test_curves_grow_with_the_metrics_events(org: Tenant, job: Any, open_tab: Op
     assert tab.console_errors() == []
 
 
-def test_pause_and_resume_from_the_page(org: Tenant, job: Any, open_tab: OpenTab) -> None:
+def test_pause_and_resume_from_the_page(org: Tenant, open_tab: OpenTab) -> None:
+    # A job of its own, opened as soon as it runs (the module's job may be done by now on a fast machine). A
+    # running job's trainer takes seconds to start, far longer than the click.
+    job = rl_job(org, steps=STEPS, checkpoint_every=4, suffix="pause")
+    deadline = time.monotonic() + 600
+    while (status := org.client.fine_tuning.jobs.retrieve(job.id).status) != "running":
+        assert status in ("validating_files", "queued") and time.monotonic() < deadline, status
+        time.sleep(0.2)
     tab = open_tab()
     page = tab.sign_in(org.key)
     page.goto(f"/dashboard/jobs/{job.id}")

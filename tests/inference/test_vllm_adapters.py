@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,37 +26,15 @@ import pytest
 from gateway.serving.versions import adapter_version
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import ft_model, resources_of
-from tests.support.stack import GatewayServer, Services, Tenant, admin_of, make_settings
-from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_LORAS, VLLM_MAX_MODEL_LEN
+from tests.support.stack import GatewayServer, Tenant, admin_of
+from tests.support.vllm import VLLM_MAX_LORAS, vllm_gateway_fixture
 from tunegate.vllm_process import VllmEngineProcess
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
 
 
-@pytest.fixture(scope="module")
-def gateway(
-    services: Services,
-    database: str,
-    tiny_model_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    vllm_server: VllmEngineProcess,
-) -> Iterator[GatewayServer]:
-    """A gateway on the session's vLLM, sized as it is, writing usage rows every 0.3 s."""
-    settings = make_settings(
-        data_dir=tmp_path_factory.mktemp("vllm-adapters-gw"),
-        database_url=database,
-        redis_url=services.redis_url,
-        tiny_model=tiny_model_dir,
-        engine_max_model_len=VLLM_MAX_MODEL_LEN,
-        engine_max_lora_rank=VLLM_MAX_LORA_RANK,
-        engine_max_loras=VLLM_MAX_LORAS,
-        engine_max_cpu_loras=VLLM_MAX_LORAS,
-        usage_flush_interval_s=0.3,
-    )
-    settings.base_models[BASE].upstreams = [vllm_server.url]
-    server = GatewayServer(settings).start()
-    yield server
-    server.stop()
+gateway = vllm_gateway_fixture("vllm-adapters", usage_flush_interval_s=0.3)
+"""A gateway on the session's vLLM, sized as it is, writing usage rows every 0.3 s."""
 
 
 @pytest.fixture
@@ -140,7 +117,7 @@ def _usage_rows(database: str, org_id: str, count: int) -> list[asyncpg.Record]:
 
 
 def test_usage_is_metered_from_vllms_own_usage(
-    gateway: GatewayServer, org: Tenant, database: str, adapter_dirs: list[Path]
+    gateway: GatewayServer, org: Tenant, adapter_dirs: list[Path]
 ) -> None:
     """Each request is one usage row of the tokens vLLM counted, streamed or not: the gateway asks vLLM for
     the usage chunk of every stream (`stream_options.include_usage`), and passes it on only to a client
@@ -172,7 +149,8 @@ def test_usage_is_metered_from_vllms_own_usage(
     hello_tokens = org.client.completions.create(model=BASE, prompt="Hello there", max_tokens=1).usage
     assert hello_tokens is not None
 
-    rows = _usage_rows(database, org.org_id, 5)
+    assert gateway.settings.database_url is not None
+    rows = _usage_rows(gateway.settings.database_url, org.org_id, 5)
     assert [(r["model"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
         (model, prompt_tokens, 8),
         (model, prompt_tokens, 8),
