@@ -66,8 +66,9 @@ PoolDep = Annotated[asyncpg.Pool, Depends(get_pool)]
 
 async def authenticate_person(res: Resources, token: str) -> Principal:
     """The organisation of a live API key of a person. Every route but the inference routes authenticates
-    with it (through `PrincipalDep`, `CallerDep`, or directly, as the usage routes do): a key minted for an
-    eval run or a job may call the inference routes only (`gateway.tenancy.scoped`), so it is 403 here."""
+    with it (through `PrincipalDep`, `CallerDep`, `AdminOrPrincipalDep`, or directly, as the Tinker routes
+    and the dashboard's sign-in do): a key minted for an eval run or a job may call the inference routes
+    only (`gateway.tenancy.scoped`), so it is 403 here."""
     who = await res.auth.authenticate(token)
     if who.kind != "user":
         raise PermissionDenied(
@@ -114,11 +115,31 @@ async def get_caller(res: ResourcesDep, authorization: Annotated[str | None, Hea
 CallerDep = Annotated[Caller, Depends(get_caller)]
 
 
+def is_admin_key(res: Resources, token: str) -> bool:
+    """Whether `token` is the admin key (compared in constant time)."""
+    if not res.admin_key:
+        return False
+    return hmac.compare_digest(token.encode(), res.admin_key.encode())
+
+
 async def require_admin(res: ResourcesDep, authorization: Annotated[str | None, Header()] = None) -> None:
     """Admin routes: the bearer token must be the admin key."""
-    token = bearer_token(authorization)
-    if not res.admin_key or not hmac.compare_digest(token.encode(), res.admin_key.encode()):
+    if not is_admin_key(res, bearer_token(authorization)):
         raise AuthenticationFailed("Incorrect admin key provided.")
 
 
 AdminDep = Depends(require_admin)
+
+
+async def get_admin_or_principal(
+    res: ResourcesDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal | None:
+    """Routes that both the admin key and an organisation's keys call (the usage routes): None for the admin
+    key, else the calling organisation, as `PrincipalDep` finds it."""
+    token = bearer_token(authorization)
+    if is_admin_key(res, token):
+        return None
+    return await authenticate_person(res, token)
+
+
+AdminOrPrincipalDep = Annotated[Principal | None, Depends(get_admin_or_principal)]

@@ -3,11 +3,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
 from pydantic import Field, SerializeAsAny
 
 from gateway.protocol import OpenAIBaseModel
+
+
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    """What both usage routes are asked: whose usage, the time range and its buckets, grouping and page."""
+
+    organization_id: str
+    start_time: int
+    end_time: int | None
+    bucket_width: str
+    group_by: list[str]
+    """`group_by[]` and `group_by` together."""
+    limit: int | None
+    """Buckets a page holds (else a default per width)."""
+    page: str | None
+    """The cursor of a page after the first (the start time of its first bucket)."""
 
 
 class CompletionsUsageResult(OpenAIBaseModel):

@@ -30,6 +30,7 @@ from gateway.usage.protocol import (
     CostsLineItem,
     CostsResult,
     UsagePage,
+    UsageQuery,
 )
 
 logger = logging.getLogger(__name__)
@@ -100,29 +101,25 @@ def _page(data: list[Bucket[Any]], page_end: datetime, has_more: bool) -> UsageP
 
 async def completions(
     pool: asyncpg.Pool,
-    org_id: str,
+    query: UsageQuery,
     *,
-    start_time: int,
-    end_time: int | None,
-    bucket_width: str,
-    group_by: list[str],
     models: list[str] | None,
     api_key_ids: list[str] | None,
-    limit: int | None,
-    page: str | None,
 ) -> UsagePage[CompletionsUsageResult]:
     """`GET /v1/organization/usage/completions`."""
-    bad = [g for g in group_by if g not in store.GROUPABLE]
+    bad = [g for g in query.group_by if g not in store.GROUPABLE]
     if bad:
         raise InvalidRequest(f"group_by supports model and api_key_id, not {bad[0]}.", param="group_by")
-    width, first, page_end, _, _, has_more = _window(start_time, end_time, bucket_width, limit, page)
+    width, first, page_end, _, _, has_more = _window(
+        query.start_time, query.end_time, query.bucket_width, query.limit, query.page
+    )
     rows = await store.completion_buckets(
         pool,
-        org_id=org_id,
+        org_id=query.organization_id,
         width=width,
         start=first,
         end=page_end,
-        group_by=group_by,
+        group_by=query.group_by,
         models=models or None,
         api_key_ids=api_key_ids or None,
     )
@@ -140,25 +137,18 @@ async def completions(
     return _page(buckets, page_end, has_more)
 
 
-async def costs(
-    pool: asyncpg.Pool,
-    settings: Settings,
-    org_id: str,
-    *,
-    start_time: int,
-    end_time: int | None,
-    bucket_width: str,
-    group_by: list[str],
-    limit: int | None,
-    page: str | None,
-) -> UsagePage[CostsResult]:
+async def costs(pool: asyncpg.Pool, settings: Settings, query: UsageQuery) -> UsagePage[CostsResult]:
     """`GET /v1/organization/costs`: amounts from the price table; `group_by=line_item` splits them into
     `<base model>, input|output|training tokens|training hours`."""
-    bad = [g for g in group_by if g != "line_item"]
+    bad = [g for g in query.group_by if g != "line_item"]
     if bad:
         raise InvalidRequest(f"group_by supports line_item, not {bad[0]}.", param="group_by")
-    width, first, page_end, _, _, has_more = _window(start_time, end_time, bucket_width, limit, page)
-    done, trained = await store.cost_inputs(pool, org_id=org_id, width=width, start=first, end=page_end)
+    width, first, page_end, _, _, has_more = _window(
+        query.start_time, query.end_time, query.bucket_width, query.limit, query.page
+    )
+    done, trained = await store.cost_inputs(
+        pool, org_id=query.organization_id, width=width, start=first, end=page_end
+    )
     lines: dict[int, dict[str, tuple[float, float, str]]] = defaultdict(dict)
 
     def add(bucket: datetime, item: str, amount: float, quantity: float, unit: str) -> None:
@@ -202,7 +192,7 @@ async def costs(
     buckets: list[Bucket[CostsResult]] = _buckets(first, page_end, width)
     for b in buckets:
         items = lines.get(b.start_time, {})
-        if "line_item" in group_by:
+        if "line_item" in query.group_by:
             b.results = [
                 CostsLineItem(
                     amount=CostAmount(value=amount), line_item=item, quantity=quantity, quantity_unit=unit
