@@ -25,8 +25,8 @@ from gateway.serving.engine_client import UpstreamBroken, UpstreamResponse, Upst
 from gateway.serving.engine_errors import engine_error
 from gateway.serving.engines import Target, Upstream
 from gateway.serving.protocol import ProxyRequest, StreamRewriter, error_event, rewrite_response
+from gateway.serving.tokens import estimate_prompt_tokens, requested_max_tokens
 from gateway.tenancy.keys import Principal
-from gateway.usage.pricing import estimate_prompt_tokens, requested_max_tokens
 
 logger = logging.getLogger(__name__)
 

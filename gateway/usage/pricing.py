@@ -4,7 +4,6 @@ per hour of the core training loop, per base model)."""
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from gateway.settings import Settings
 
@@ -45,42 +44,3 @@ def training_cost(settings: Settings, base_model: str, trained_tokens: int, seco
     return training_tokens_cost(settings, base_model, trained_tokens) + training_time_cost(
         settings, base_model, seconds
     )
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """A cheap upper-ish estimate of a request's prompt tokens (about four characters a token, plus a few
-    tokens of chat template per message), without a tokenizer on the request path."""
-    chars = 0
-    extra = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        for m in messages:
-            extra += 4
-            if isinstance(m, dict):
-                content = m.get("content")
-                if isinstance(content, str):
-                    chars += len(content)
-                elif isinstance(content, list):
-                    chars += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
-                if m.get("tool_calls"):
-                    chars += len(str(m["tool_calls"]))
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list):
-        for p in prompt:
-            chars += len(p) if isinstance(p, str) else (len(p) * 4 if isinstance(p, list) else 4)
-    if body.get("tools"):
-        chars += len(str(body["tools"]))
-    return chars // 4 + extra + 1
-
-
-def requested_max_tokens(body: dict[str, Any], default: int) -> int:
-    """Completion tokens a request may produce: `max_completion_tokens` or `max_tokens` (else `default`),
-    times `n`."""
-    value = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    n = body.get("n") or 1
-    try:
-        return max(1, int(value)) * max(1, int(n))
-    except (TypeError, ValueError):
-        return default

@@ -26,8 +26,8 @@ from gateway.limits import store as limits_store
 from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis, month_key, to_micro
 from gateway.limits.guard import KINDS, UNLIMITED, Guard
 from gateway.limits.leases import LEASE_TTL_S
+from gateway.serving.tokens import estimate_prompt_tokens
 from gateway.settings import ModelPrice, Settings
-from gateway.usage.pricing import estimate_prompt_tokens
 from tests.support.data import BASE, MESSAGES, SAYS_YES
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings

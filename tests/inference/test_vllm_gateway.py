@@ -32,9 +32,9 @@ import tinker
 from tinker import types
 
 from envsdk.graders import parse_score
+from gateway.serving.tokens import estimate_prompt_tokens
 from gateway.settings import ModelPrice
 from gateway.tinker.paths import parse_tinker_path, served_model_id
-from gateway.usage.pricing import estimate_prompt_tokens
 from tests.support.data import BASE, HELLO_SFT, MESSAGES
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import worker_fixture
