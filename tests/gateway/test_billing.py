@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from gateway.settings import Settings, settings_env
+from gateway.usage.buffer import COLUMNS as USAGE_COLUMNS
 from tests.support.stack import ROOT, Admin, free_port
 
 EVENTS = {
@@ -157,17 +158,7 @@ async def _seed_usage(database: str, orgs: list[str]) -> None:
             await conn.copy_records_to_table(
                 "completion_usage",
                 records=rows,
-                columns=[
-                    "organization_id",
-                    "api_key_id",
-                    "model",
-                    "base_model",
-                    "prompt_tokens",
-                    "completion_tokens",
-                    "latency_ms",
-                    "status",
-                    "created_at",
-                ],
+                columns=USAGE_COLUMNS,
             )
             job = "ftjob-" + secrets.token_hex(6)
             await conn.execute(
