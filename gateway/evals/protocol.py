@@ -102,7 +102,8 @@ class EvalRun(OpenAIBaseModel):
     """`[{"model_name", "invocation_count", "prompt_tokens", "completion_tokens", "total_tokens",
     "cached_tokens"}]`: the sampled model and any model graders."""
     report_url: str
-    """tunegate has no dashboard: the API path of the run's output items."""
+    """The API path of the run's output items. The dashboard's evals page lists runs with their pass rates
+    but has no page of one run's items to link to."""
 
     @classmethod
     def from_row(cls, row: RunRow) -> EvalRun:
