@@ -48,8 +48,8 @@ async def _check_name(res: Resources, who: Principal, name: str) -> None:
 
 async def _alias(res: Resources, who: Principal, row: AliasRow) -> Alias:
     try:
-        target = await targets.resolve_model(
-            res.settings, res.models, res.pool, who.organization_id, row.model
+        target = await targets.resolve(
+            res.settings, res.models, res.pool, who.organization_id, row.model, aliases=False
         )
         version: str | None = target.served_version
     except APIError:
@@ -75,7 +75,7 @@ async def write(res: Resources, who: Principal, body: AliasWrite) -> Alias:
             param="model",
             code="alias_loop",
         )
-    await targets.resolve_model(res.settings, res.models, res.pool, org_id, body.model, param="model")
+    await targets.resolve(res.settings, res.models, res.pool, org_id, body.model, aliases=False)
     row = await store.upsert(res.pool, org_id=org_id, name=body.name, model=body.model)
     return await _alias(res, who, row)
 

@@ -74,44 +74,32 @@ async def resolve(
     model_id: str,
     *,
     param: str = "model",
+    aliases: bool = True,
 ) -> Target:
     """The target of `model_id` for organisation `org_id`: a base model, an alias (read from the database on
     every call, so that a request admitted after an alias moved is served by the new model, whatever this
     gateway remembers), a fine-tuned model or checkpoint id, or a version id of one of them; else 404
     `model_not_found` (also for others' models), whose `param` is `param` (the field that named the model).
+    Model and version ids are remembered for a few seconds (their versions never change, but for Tinker
+    samplers', `REUSED_NAME`). `aliases=False` skips the alias step: what an alias points at is resolved
+    so, since an alias never points at another alias.
 
     Several gateways: each reads the alias from the shared database per request, so a move is seen by every
     gateway for every request admitted after the move's transaction committed; the model ids and version ids
     an alias points at are immutable, so their cached targets never go stale by a move."""
     if model_id in settings.base_models:
         return Target(model_id=model_id, base_model=model_id)
-    if may_be_alias(model_id):
+    if aliases and may_be_alias(model_id):
         pointed = await store.find_alias(pool, org_id, model_id)
         if pointed is not None:
             try:
-                return await resolve_model(settings, models, pool, org_id, pointed, param=param)
+                return await resolve(settings, models, pool, org_id, pointed, param=param, aliases=False)
             except NotFound:
                 raise NotFound(
                     f"The alias '{model_id}' points at model '{pointed}', which does not exist.",
                     param=param,
                     code="model_not_found",
                 ) from None
-    return await resolve_model(settings, models, pool, org_id, model_id, param=param)
-
-
-async def resolve_model(
-    settings: Settings,
-    models: ModelCache,
-    pool: asyncpg.Pool,
-    org_id: str,
-    model_id: str,
-    *,
-    param: str = "model",
-) -> Target:
-    """`resolve` without aliases: a base model, a model or checkpoint id, or a version id (remembered for a
-    few seconds: their versions never change, but for Tinker samplers', `REUSED_NAME`)."""
-    if model_id in settings.base_models:
-        return Target(model_id=model_id, base_model=model_id)
     cacheable = REUSED_NAME not in model_id
     hit, target = models.get(org_id, model_id) if cacheable else (False, None)
     if not hit and (model_id.startswith("ft:") or is_version(model_id)):
