@@ -10,6 +10,7 @@ import json
 import logging
 import re
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from envsdk.graders.core import (
@@ -105,6 +106,18 @@ def _uses_python(grader: dict[str, Any]) -> bool:
     return any(isinstance(s, dict) and s.get("type") == "python" for s in values)
 
 
+@dataclass(slots=True)
+class _Grading:
+    """One sample being graded: what each of its graders reads, and the result they write to."""
+
+    sample: dict[str, Any]
+    item: dict[str, Any]
+    inference: InferenceClient | None
+    python: PythonGraders | None
+    result: GradeResult
+    max_text_chars: int | None
+
+
 def _grade(
     grader: dict[str, Any],
     sample: dict[str, Any] | str,
@@ -120,11 +133,12 @@ def _grade(
     result = GradeResult(
         reward=0.0, errors=_empty_errors(), name=str(grader.get("name", "")), type=str(grader.get("type", ""))
     )
+    g = _Grading(sample, item, inference, python, result, max_text_chars)
     try:
         if grader.get("type") == "multi":
-            result.reward = _grade_multi(grader, sample, item, inference, python, result, max_text_chars)
+            result.reward = _grade_multi(grader, g)
         else:
-            result.reward = _grade_one(grader, sample, item, inference, python, result, max_text_chars)
+            result.reward = _grade_one(grader, g)
     except GradeFailure as exc:
         result.reward = 0.0
         result.errors[exc.flag] = True
@@ -152,19 +166,11 @@ def _empty_errors() -> dict[str, Any]:
     return errors
 
 
-def _grade_multi(
-    grader: dict[str, Any],
-    sample: dict[str, Any],
-    item: dict[str, Any],
-    inference: InferenceClient | None,
-    python: PythonGraders | None,
-    result: GradeResult,
-    max_text_chars: int | None,
-) -> float:
+def _grade_multi(grader: dict[str, Any], g: _Grading) -> float:
     values: dict[str, float] = {}
     for name, sub in sub_graders(grader, "grader").items():
-        values[name] = _grade_one(sub, sample, item, inference, python, result, max_text_chars)
-    result.sub_rewards = dict(values)
+        values[name] = _grade_one(sub, g)
+    g.result.sub_rewards = dict(values)
     try:
         return evaluate_formula(str(grader.get("calculate_output", "")), values)
     except GraderError as exc:
@@ -173,24 +179,16 @@ def _grade_multi(
         raise GradeFailure("formula_parse_error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _grade_one(
-    grader: dict[str, Any],
-    sample: dict[str, Any],
-    item: dict[str, Any],
-    inference: InferenceClient | None,
-    python: PythonGraders | None,
-    result: GradeResult,
-    max_text_chars: int | None = None,
-) -> float:
+def _grade_one(grader: dict[str, Any], g: _Grading) -> float:
     gtype = grader.get("type")
     if gtype == "string_check":
-        return _string_check(grader, sample, item, max_text_chars)
+        return _string_check(grader, g.sample, g.item, g.max_text_chars)
     if gtype == "text_similarity":
-        return _text_similarity(grader, sample, item, max_text_chars)
+        return _text_similarity(grader, g.sample, g.item, g.max_text_chars)
     if gtype in ("score_model", "label_model"):
-        return _model_grade(grader, sample, item, inference, result)
+        return _model_grade(grader, g.sample, g.item, g.inference, g.result)
     if gtype == "python":
-        return _python_grade(grader, sample, item, python)
+        return _python_grade(grader, g.sample, g.item, g.python)
     raise GraderError(f"unknown grader type {gtype!r}", "grader.type")
 
 
