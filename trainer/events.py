@@ -18,14 +18,7 @@ from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel
 
-from trainer.spec import (
-    CheckpointEvent,
-    ErrorEvent,
-    MessageEvent,
-    MetricsEvent,
-    ResultEvent,
-    StoppedEvent,
-)
+from trainer import spec
 
 logger = logging.getLogger(__name__)
 
@@ -78,29 +71,29 @@ class EventWriter:
     ) -> None:
         """A human-readable milestone (``data``: numbers that go with it)."""
         logger.info("%s", message)
-        self.emit(MessageEvent(level=level, message=message, step=step, data=data))
+        self.emit(spec.MessageEvent(level=level, message=message, step=step, data=data))
 
     def metrics(self, step: int, total_steps: int, data: dict[str, Any]) -> None:
         """The numbers of one training step."""
-        self.emit(MetricsEvent(step=step, total_steps=total_steps, data=data))
+        self.emit(spec.MetricsEvent(step=step, total_steps=total_steps, data=data))
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
         """A resumable checkpoint (also loadable as a LoRA adapter) was written."""
-        self.emit(CheckpointEvent(step=step, path=path, metrics=metrics))
+        self.emit(spec.CheckpointEvent(step=step, path=path, metrics=metrics))
 
     def result(self, adapter_path: str, trained_tokens: int, steps: int, metrics: dict[str, Any]) -> None:
         """The job finished; the final adapter is at ``adapter_path``."""
         self.emit(
-            ResultEvent(
+            spec.ResultEvent(
                 adapter_path=adapter_path, trained_tokens=trained_tokens, steps=steps, metrics=metrics
             )
         )
 
     def stopped(self, step: int, checkpoint: str | None) -> None:
         """The job stopped on SIGTERM after saving ``checkpoint``."""
-        self.emit(StoppedEvent(step=step, checkpoint=checkpoint))
+        self.emit(spec.StoppedEvent(step=step, checkpoint=checkpoint))
 
     def error(self, code: str, message: str) -> None:
         """The job failed; ``message`` is one line without a traceback."""
         one_line = " ".join(str(message).split())[:2000]
-        self.emit(ErrorEvent(code=code, message=one_line))
+        self.emit(spec.ErrorEvent(code=code, message=one_line))
