@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference.chunks import DONE, ChunkStream, answer_id, usage
 from inference.engine import INLINE_TOKENIZE_CHARS, ChoiceEvent, GenerationRequest, ModelEngine
 from inference.errors import BadRequestError
 from inference.protocol import ChatCompletionRequest
@@ -264,10 +265,6 @@ def logprobs_content(engine: ModelEngine, entries: list[TokenLogprob]) -> list[d
     return out
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> dict[str, Any]:
     """A whole ``chat.completion`` object."""
     plan, ids = await prepare_chat(engine, req)
@@ -284,13 +281,13 @@ async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> di
         lp = {"content": logprobs_content(engine, choice.logprobs), "refusal": None} if req.logprobs else None
         out_choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lp})
     return {
-        "id": "chatcmpl-" + secrets.token_hex(12),
+        "id": answer_id("chatcmpl-"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": req.model,
         "system_fingerprint": None,
         "choices": out_choices,
-        "usage": _usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
+        "usage": usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
     }
 
 
@@ -306,24 +303,12 @@ async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncG
     """``chat.completion.chunk`` SSE lines; the first is yielded only once the engine produced output."""
     plan, ids = await prepare_chat(engine, req)
     gen = submit_chat(engine, req, plan, ids)
-    chunk_id = "chatcmpl-" + secrets.token_hex(12)
-    created = int(time.time())
-    include_usage = req.include_usage()
+    chunks = ChunkStream("chat.completion.chunk", req.model, req.include_usage(), answer_id("chatcmpl-"))
     buffered = plan.parse_tools
     choices = [_Choice() for _ in range(req.n)]
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> str:
-        body: dict[str, Any] = {
-            "id": chunk_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": None,
-            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return "data: " + json.dumps(body) + "\n\n"
+        return chunks.choice({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
 
     try:
         started = [False] * req.n
@@ -361,17 +346,8 @@ async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncG
                     out.append(chunk(event.index, {}, event.finish_reason))
             for line in out:
                 yield line
-        if include_usage:
-            usage = {
-                "id": chunk_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": req.model,
-                "system_fingerprint": None,
-                "choices": [],
-                "usage": _usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
-            }
-            yield "data: " + json.dumps(usage) + "\n\n"
-        yield "data: [DONE]\n\n"
+        if chunks.include_usage:
+            yield chunks.usage(len(gen.prompt_ids), sum(c.tokens for c in choices))
+        yield DONE
     finally:
         engine.cancel(gen)

@@ -8,13 +8,12 @@ for the generated tokens (echoed prompt tokens are listed with ``null`` log-prob
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from inference.chunks import DONE, ChunkStream, answer_id, usage
 from inference.engine import ChoiceEvent, GenerationRequest, ModelEngine
 from inference.errors import BadRequestError
 from inference.protocol import CompletionRequest
@@ -125,11 +124,6 @@ async def _submit(engine: ModelEngine, req: CompletionRequest) -> list[Generatio
     return gens
 
 
-def _usage(gens: list[GenerationRequest], completion: int) -> dict[str, int]:
-    prompt = sum(len(g.prompt_ids) for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
 async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, Any]:
     """A whole ``text_completion`` object."""
     gens = await _submit(engine, req)
@@ -166,13 +160,13 @@ async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, A
         for gen in gens:
             engine.cancel(gen)
     return {
-        "id": "cmpl-" + secrets.token_hex(12),
+        "id": answer_id("cmpl-"),
         "object": "text_completion",
         "created": int(time.time()),
         "model": req.model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": _usage(gens, completion_tokens),
+        "usage": usage(sum(len(g.prompt_ids) for g in gens), completion_tokens),
     }
 
 
@@ -181,9 +175,9 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
     import asyncio
 
     gens = await _submit(engine, req)
-    cid = "cmpl-" + secrets.token_hex(12)
-    created = int(time.time())
-    include_usage = req.include_usage()
+    chunks = ChunkStream(
+        "text_completion", req.model, req.include_usage(), answer_id("cmpl-"), fingerprint_with_usage=False
+    )
     queue: asyncio.Queue[tuple[int, ChoiceEvent] | BaseException | None] = asyncio.Queue()
 
     async def pump(p: int, gen: GenerationRequest) -> None:
@@ -194,19 +188,6 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
             await queue.put(exc)
         finally:
             await queue.put(None)
-
-    def line(index: int, text: str, finish: str | None, logprobs: Any) -> str:
-        body: dict[str, Any] = {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": req.model,
-            "system_fingerprint": None,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        }
-        if include_usage:
-            body["usage"] = None
-        return "data: " + json.dumps(body) + "\n\n"
 
     tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(gens)]
     try:
@@ -232,18 +213,13 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
                 if req.logprobs is not None:
                     legacy.add_prompt(gen.prompt_ids)
             legacy.add(event.logprobs)
-            yield line(index, text, event.finish_reason, legacy.body() if req.logprobs is not None else None)
-        if include_usage:
-            body = {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": req.model,
-                "choices": [],
-                "usage": _usage(gens, completion_tokens),
-            }
-            yield "data: " + json.dumps(body) + "\n\n"
-        yield "data: [DONE]\n\n"
+            lp = legacy.body() if req.logprobs is not None else None
+            yield chunks.choice(
+                {"index": index, "text": text, "logprobs": lp, "finish_reason": event.finish_reason}
+            )
+        if chunks.include_usage:
+            yield chunks.usage(sum(len(g.prompt_ids) for g in gens), completion_tokens)
+        yield DONE
     finally:
         for task in tasks:
             task.cancel()
