@@ -24,7 +24,8 @@ from bench.common import tree_cpu_seconds
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway, start_worker
 from gateway.settings import Settings
 from inference.vllm import VllmInstall
-from tunegate.processes import EngineProcess, free_port
+from tunegate.processes import free_port
+from tunegate.role_processes import EngineProcess
 from tunegate.vllm_process import VllmEngineProcess, engine_processes
 
 logger = logging.getLogger(__name__)

@@ -82,7 +82,7 @@ def run(opts: Options) -> dict[str, Any]:
     from envsdk.remote import RemoteSandbox
     from envsdk.remote_wire import live_servers
     from envsdk.sandbox import Sandbox, detect_backend
-    from tunegate.processes import EnvServerProcess
+    from tunegate.role_processes import EnvServerProcess
     from tunegate.stack import private_settings
 
     batch = 16 if opts.quick else 64

@@ -22,10 +22,11 @@ import httpx
 
 from bench.common import free_port, pin
 from gateway.settings import BaseModelConfig, Settings
-from tunegate import processes
+from tunegate import role_processes
 from tunegate import services as tunegate_services
 from tunegate.client import provision_tenant
-from tunegate.processes import GatewayProcess, Process, WorkerProcess
+from tunegate.processes import Process
+from tunegate.role_processes import GatewayProcess, WorkerProcess
 from tunegate.services import drop_database, make_database
 from tunegate.stack import private_settings
 
@@ -106,7 +107,7 @@ def start_nullproxy(upstream_url: str, log_path: Path, core: int | None) -> tupl
 
 
 def child_env(settings: Settings) -> dict[str, str]:
-    return processes.child_env(settings)
+    return role_processes.child_env(settings)
 
 
 def start_gateway(settings: Settings, log_path: Path, core: int | None) -> Process:

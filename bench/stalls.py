@@ -34,7 +34,7 @@ import httpx
 
 from bench.common import Options, fmt, free_port, ratio, summary_ms
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway
-from tunegate.processes import EngineProcess
+from tunegate.role_processes import EngineProcess
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import httpx
 
 from bench.common import Options, fmt, free_port, ratio
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway, start_worker
-from tunegate.processes import EngineProcess
+from tunegate.role_processes import EngineProcess
 
 RANK = 8
 SEQ_LEN = 64

@@ -37,7 +37,7 @@ from bench.stack import (
     start_gateway,
     start_worker,
 )
-from tunegate.processes import EngineProcess
+from tunegate.role_processes import EngineProcess
 
 logger = logging.getLogger(__name__)
 

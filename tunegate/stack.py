@@ -3,7 +3,7 @@
 `run_stack`: embedded PostgreSQL and Redis when no URLs are set (`tunegate.services`), the tiny base model
 made when missing, inference engines for base models that name no upstream (the embedded engine, or vLLM:
 the `engine` setting, `tunegate.vllm_process`), a worker process, and the gateway. The engines and the
-worker are supervised (`tunegate.processes.Supervisor`): one that exits is started again, with backoff.
+worker are supervised (`tunegate.supervisor.Supervisor`): one that exits is started again, with backoff.
 Ctrl-C or SIGTERM stops everything, the embedded servers last.
 
 `private_settings`: the settings of a stack that shares its servers with others (the tests' and the
@@ -23,8 +23,10 @@ from typing import Any
 from gateway.db import migrate
 from gateway.settings import BaseModelConfig, Settings
 from inference.vllm import VllmUnavailable
-from tunegate.processes import Supervisor, WorkerProcess, free_port
+from tunegate.processes import free_port
+from tunegate.role_processes import WorkerProcess
 from tunegate.services import Services
+from tunegate.supervisor import Supervisor
 from tunegate.vllm_process import EngineChoice, VllmEngineProcess, engine_processes
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from typing import Any, NoReturn, Self
 
 from gateway.settings import Settings
 from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, vllm_command
-from tunegate.processes import EngineProcess, Process
+from tunegate.processes import Process
+from tunegate.role_processes import EngineProcess
 
 logger = logging.getLogger(__name__)
 

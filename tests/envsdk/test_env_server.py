@@ -41,7 +41,7 @@ from tests.trainer.conftest import make_spec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.run import read_spec
-from tunegate.processes import EnvServerProcess
+from tunegate.role_processes import EnvServerProcess
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
 SLOW = """

@@ -12,7 +12,7 @@ from gateway.worker import redis_acl
 from tests.envsdk.test_env_server import on_redis
 from tests.envsdk.test_envsdk_venvs import PROBE_ENV, make_wheel, write_package
 from tests.support.stack import Services
-from tunegate.processes import EnvServerProcess
+from tunegate.role_processes import EnvServerProcess
 
 
 def test_env_server_builds_the_missing_venv(services: Services, tmp_path: Path, sandbox_backend: str) -> None:

@@ -29,7 +29,7 @@ from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics, trainer_processes, upload_rows, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
 from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
-from tunegate.processes import EnvServerProcess
+from tunegate.role_processes import EnvServerProcess
 
 pytestmark = pytest.mark.slow
 

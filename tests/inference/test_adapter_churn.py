@@ -35,8 +35,10 @@ from tests.support.data import BASE, MESSAGES
 from tests.support.engine import ft_model, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
 from tests.support.vllm import VLLM_MAX_LORAS, VLLM_SIZES
-from tunegate.processes import EngineProcess, Process, Supervisor, free_port
+from tunegate.processes import Process, free_port
+from tunegate.role_processes import EngineProcess
 from tunegate.services import scratch_database
+from tunegate.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the session's first to need it
 

@@ -35,7 +35,8 @@ from tests.support.data import BASE, MESSAGES
 from tests.support.engine import ft_model, make_lora_adapter, resources_of
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, make_settings
 from tests.support.vllm import VLLM_MAX_LORA_RANK, VLLM_MAX_MODEL_LEN
-from tunegate.processes import EngineProcess, free_port, wait_port
+from tunegate.processes import free_port, wait_port
+from tunegate.role_processes import EngineProcess
 from tunegate.vllm_process import VllmEngineProcess, engine_processes
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start: three processes import torch and vLLM

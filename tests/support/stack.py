@@ -19,7 +19,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.httpserver import Server as HttpServer
 from gateway.settings import BaseModelConfig, Settings
-from tunegate import processes
+from tunegate import role_processes
 from tunegate import services as tunegate_services
 from tunegate.client import provision_tenant
 from tunegate.processes import ServerThread, free_port
@@ -89,7 +89,7 @@ class GatewayServer(ServerThread):
         super().__init__(HttpServer(config), "gateway")
 
 
-class WorkerProcess(processes.WorkerProcess):
+class WorkerProcess(role_processes.WorkerProcess):
     """`python -m tunegate worker` as a child process (so tests can SIGKILL it), `overrides` over its
     settings."""
 

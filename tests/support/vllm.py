@@ -13,8 +13,9 @@ import pytest
 
 from inference.vllm import VllmUnavailable, find_vllm
 from tests.support.stack import GatewayServer, Services, start_gateway
-from tunegate.processes import Supervisor, free_port
+from tunegate.processes import free_port
 from tunegate.services import scratch_database
+from tunegate.supervisor import Supervisor
 from tunegate.vllm_process import VllmEngineProcess
 
 VLLM_MAX_LORA_RANK = 16
