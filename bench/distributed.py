@@ -1,7 +1,7 @@
 """Training on two processes against one: the same supervised job, the same global batch, the same seed.
 
 One process: `python -m trainer run SPEC.json`, as a worker runs a one-device job. Two: the same spec with
-`gpus: 2`, launched exactly as a worker launches a two-device job (`gateway.worker.devices.launch`: DDP over
+`gpus: 2`, launched exactly as a worker launches a two-device job (`gateway.work.devices.launch`: DDP over
 gloo on two CPU processes, each with its share of the cores). The batch is global, so both take the same
 optimiser steps and should follow the same loss curve (DDP averages the gradients of the two halves of each
 batch); the report gives the largest difference per step and the wall-time ratio. On a 2-core machine two
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Options, fmt, free_port, ratio
-from gateway.worker.devices import cpu_devices, launch
+from gateway.work.devices import cpu_devices, launch
 
 ROWS = [
     {

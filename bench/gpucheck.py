@@ -1,6 +1,6 @@
 """`scripts/gpu-check`: the GPU path of training, checked in a few minutes on one machine with GPUs.
 
-Each check runs the trainer exactly as a worker launches it (`gateway.worker.devices.launch`) on `tiny-chat`:
+Each check runs the trainer exactly as a worker launches it (`gateway.work.devices.launch`) on `tiny-chat`:
 
 1. supervised fine-tuning in bf16 on one GPU;
 2. GRPO (a string-check grader) in bf16 on one GPU;
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.distributed import ROWS
-from gateway.worker.devices import Device, free_port, launch
+from gateway.work.devices import Device, free_port, launch
 
 RFT = [
     {

@@ -3,16 +3,23 @@
 API statements take the caller's organisation and filter by it, so another organisation's ids find
 nothing (and answer 404). Worker statements take a run id and the worker's id: a run's state changes are
 single statements guarded by its status and its holder, as for fine-tuning jobs, so the API (cancel,
-delete), the worker and the reaper cannot race a run into an impossible state.
+delete), the worker and the reaper cannot race a run into an impossible state. The runs' lease
+(`RUN_LEASE`, `gateway.work.lease`) is this table's part of the lifecycle every kind of held work shares.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
+
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
-from gateway.evals.rows import DoneItem, EvalRow, ItemRow, QueuedRun, RunRow, StaleRun
+from gateway.evals.rows import DoneItem, EvalRow, ItemRow, RunRow
 from gateway.ids import new_id
+from gateway.queue import RUN_EVAL
+from gateway.settings import Settings
+from gateway.tenancy import scoped
+from gateway.work.lease import Lease, StaleWork
 
 # -- evals -----------------------------------------------------------------------------------------------
 
@@ -111,7 +118,7 @@ WHERE id = $1 AND worker_id = $2 AND status = 'in_progress' RETURNING *"""
 RELEASE_RUN = "UPDATE eval_runs SET worker_id = NULL WHERE id = $1 AND worker_id = $2 RETURNING *"
 REQUEUE_OWN_RUN = """
 UPDATE eval_runs SET status = 'queued', worker_id = NULL, queue_generation = queue_generation + 1
-WHERE id = $1 AND worker_id = $2 AND status = 'in_progress' RETURNING *"""
+WHERE id = $1 AND worker_id = $2 AND status = 'in_progress' RETURNING queue_generation"""
 QUEUED_UNCLAIMED_RUNS = """
 SELECT id, queue_generation FROM eval_runs WHERE status = 'queued' AND worker_id IS NULL
 ORDER BY created_at LIMIT 1000"""
@@ -123,7 +130,7 @@ UPDATE eval_runs
 SET status = CASE WHEN status = 'in_progress' THEN 'queued' ELSE status END,
     worker_id = NULL,
     queue_generation = queue_generation + CASE WHEN status = 'in_progress' THEN 1 ELSE 0 END
-WHERE id = $1 AND worker_id = $2 RETURNING *"""
+WHERE id = $1 AND worker_id = $2 RETURNING status = 'queued' AS queued, queue_generation"""
 FAIL_STALE_RUN = """
 UPDATE eval_runs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
 WHERE id = $1 AND worker_id = $2 AND status = 'in_progress' RETURNING *"""
@@ -299,21 +306,32 @@ async def release_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | No
     return maybe_row_to(RunRow, await conn.fetchrow(RELEASE_RUN, run_id, worker_id))
 
 
-async def requeue_own_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
-    return maybe_row_to(RunRow, await conn.fetchrow(REQUEUE_OWN_RUN, run_id, worker_id))
+# -- the lease -------------------------------------------------------------------------------------------
 
 
-async def queued_unclaimed_runs(conn: Conn) -> list[QueuedRun]:
-    return rows_to(QueuedRun, await conn.fetch(QUEUED_UNCLAIMED_RUNS))
+async def _revoke_key(pool: asyncpg.Pool, row: StaleWork) -> None:
+    """Revoke the key minted for a lost worker's run (it would live on until it expires)."""
+    if row.row["worker_key_id"]:
+        await scoped.revoke(pool, row.row["worker_key_id"])
 
 
-async def stale_runs(conn: Conn, *, after_s: float) -> list[StaleRun]:
-    return rows_to(StaleRun, await conn.fetch(STALE_RUNS, after_s))
+def _give_up(row: StaleWork, settings: Settings) -> dict[str, Any]:
+    message = f"The run's worker was lost {row.attempts} times; giving up."
+    return {"code": "max_attempts_exceeded", "message": message}
 
 
-async def requeue_stale_run(conn: Conn, *, run_id: str, worker_id: str) -> RunRow | None:
-    return maybe_row_to(RunRow, await conn.fetchrow(REQUEUE_STALE_RUN, run_id, worker_id))
-
-
-async def fail_stale_run(conn: Conn, *, run_id: str, worker_id: str, error: dict[str, Any]) -> RunRow | None:
-    return maybe_row_to(RunRow, await conn.fetchrow(FAIL_STALE_RUN, run_id, worker_id, error))
+RUN_LEASE = Lease(
+    kind="eval_run",
+    function=RUN_EVAL,
+    claim=CLAIM_RUN,
+    heartbeat=HEARTBEAT_RUN,
+    release=RELEASE_RUN,
+    queued_unclaimed=QUEUED_UNCLAIMED_RUNS,
+    stale=STALE_RUNS,
+    fail_stale=FAIL_STALE_RUN,
+    give_up=_give_up,
+    requeue_own=REQUEUE_OWN_RUN,
+    requeue_stale=REQUEUE_STALE_RUN,
+    on_stale=_revoke_key,
+)
+"""An eval run held by a worker (`gateway.worker.evals`): a run taken back resumes with the items it lacks."""

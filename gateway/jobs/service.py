@@ -40,8 +40,8 @@ from gateway.serving.calls import check_models
 from gateway.tenancy.keys import Principal
 from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
-from gateway.worker import store as worker_store
-from gateway.worker.devices import generation_devices
+from gateway.work import store as work_store
+from gateway.work.devices import generation_devices
 from trainer.spec import AnyHyperparameters, Hyperparameters, devices_for, model_defaults, total_steps
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ async def _check_devices(res: Resources, spec: MethodSpec, model: str) -> None:
     )
     generation = generation_devices(res.settings, spec.type)
     within = max(60.0, 3.0 * res.settings.requeue_interval_s)
-    largest = await worker_store.largest_worker(res.pool, within_s=within)
+    largest = await work_store.largest_worker(res.pool, within_s=within)
     if largest is not None and gpus + generation > largest:
         also = f" and {generation} for vLLM generation" if generation else ""
         raise InvalidRequest(

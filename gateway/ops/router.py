@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.db import ping
 from gateway.deps import Resources, ResourcesDep
-from gateway.worker.presence import alive_workers
+from gateway.work.presence import alive_workers
 
 router = APIRouter(tags=["operations"])
 

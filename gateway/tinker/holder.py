@@ -11,7 +11,7 @@ stepped) and let go; its next request starts a process that loads that state fir
 `optim_step` steps on what it computed before. A model does not keep the slot from others: once it has held
 it for `tinker_max_hold_s` (busy or not), or been idle for `tinker_yield_idle_s`, while work that the claim's
 fair order puts first waits for a device, it is saved and let go the same way after the request in hand, and
-its requests wait their turn (`gateway.worker.store.FAIREST`). A training process that dies fails the model's
+its requests wait their turn (`gateway.work.store.FAIREST`). A training process that dies fails the model's
 open requests with its last log line and marks the model lost: the client goes on from its last saved state
 (`create_training_client_from_state`).
 """
@@ -50,9 +50,9 @@ from gateway.tinker.paths import (
     workdir_key,
 )
 from gateway.tinker.rows import RequestRow, TrainingModelRow
-from gateway.worker import store as worker_store
-from gateway.worker.devices import Device, DevicePool, confine, generation_devices
-from gateway.worker.job.process import die_with_parent, trainer_env
+from gateway.work import store as work_store
+from gateway.work.devices import Device, DevicePool, confine, generation_devices
+from gateway.work.process import die_with_parent, trainer_env
 
 logger = logging.getLogger(__name__)
 
@@ -229,18 +229,18 @@ class Holder:
         self._next_look = now + RECHECK_S
         free = len(self.devices.free)
         generation = generation_devices(settings, "reinforcement")
-        if free and await worker_store.fairest(self.pool, free=free, generation=generation) is not None:
+        if free and await work_store.fairest(self.pool, free=free, generation=generation) is not None:
             return False  # it fits the devices free here: this worker takes it without this one's
-        first = await worker_store.fairest(
+        first = await work_store.fairest(
             self.pool, free=free + 1, generation=generation, holding=self.model_id
         )
-        return first is not None and first != worker_store.Work("tinker", self.model_id)
+        return first is not None and first != work_store.Work("tinker", self.model_id)
 
     async def _let_go_for_others(self, held_s: float) -> str:
         """Save the model (as when idle: `_save_to_resume`) and give its slot to the work that waits; its open
         and later requests wait for the next holder, which loads that state first."""
         saved = await self._save_to_resume()
-        if not await worker_store.hand_back_model(
+        if not await store.hand_back_model(
             self.pool, model_id=self.model_id, worker_id=self.worker_id, resume_path=saved
         ):
             return "lost"  # taken from this worker meanwhile (its beat was late): nothing of it is here
@@ -260,7 +260,7 @@ class Holder:
         """After the model was let go: when a request of it is open (it came while the model was let go, or
         the model was let go for others with requests queued), a worker's wake-up, as the API sends one for
         a request of a model no worker holds. Read after the release, so none falls between the two."""
-        if await worker_store.model_asked(self.pool, model_id=self.model_id):
+        if await store.model_asked(self.pool, model_id=self.model_id):
             await enqueue(
                 self.queue, self.settings.queue_name, self.model_id, time.time_ns(), function=RUN_TINKER_MODEL
             )

@@ -3,7 +3,11 @@
 Every query of the API side filters by organisation. The holder side (`gateway.tinker.holder`, in the
 worker) addresses a model by id and guards each change by `worker_id`, as the job pipeline does. A model or
 sampler id that is taken already is not an error here: `create_model` and `create_sampler` say so (None,
-False) and the service answers it as the caller's mistake.
+False) and the service answers it as the caller's mistake. The holder side also exports the models' lease
+(`MODEL_LEASE`, `gateway.work.lease`).
+
+Over 450 lines because it holds the SQL of all five Tinker tables, each section small; the seam when it
+grows is the holder side (claim, beat, release, hand back, the lease) apart from the API side.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 import asyncpg
 
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
+from gateway.settings import Settings
+from gateway.tinker.paths import RUN_TINKER_MODEL
 from gateway.tinker.rows import (
     CheckpointRow,
     FutureRow,
@@ -23,6 +29,7 @@ from gateway.tinker.rows import (
     SamplerRow,
     TrainingModelRow,
 )
+from gateway.work.lease import Lease, StaleWork
 
 # ---------------------------------------------------------------------------------------------- sessions
 INSERT_SESSION = """
@@ -219,6 +226,30 @@ LOSE = "UPDATE tinker_models SET lost = $2, worker_id = NULL WHERE id = $1 AND l
 FAIL_OPEN = """
 UPDATE tinker_requests SET status = 'failed', error = $2, category = 'server', finished_at = now()
 WHERE model_id = $1 AND status IN ('pending', 'running')"""
+# A held Tinker model lets its slot go for waiting work (`gateway.tinker.holder`), open requests or not. Its
+# `held_at` becomes now, so that the claims that follow rank it as `gateway.work.store.FAIREST` did with the
+# model as $3: after the work it let go for.
+HAND_BACK_MODEL = """
+UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = $3, held_at = now()
+WHERE id = $1 AND worker_id = $2 RETURNING id"""
+MODEL_ASKED = """
+SELECT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))"""
+# The lease (`MODEL_LEASE`): a model is queued while requests of it are open and no worker holds it, and a
+# holder that stopped beating took the weights with it (the model is lost, never re-queued).
+QUEUED_MODELS = """
+SELECT m.id, min(r.seq) AS queue_generation
+FROM tinker_models m JOIN tinker_requests r ON r.model_id = m.id AND r.status IN ('pending', 'running')
+WHERE m.worker_id IS NULL AND m.lost IS NULL
+GROUP BY m.id ORDER BY min(r.seq) LIMIT 1000"""
+LET_GO = """
+UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL WHERE id = $1 AND worker_id = $2
+RETURNING id"""
+STALE_MODELS = """
+SELECT id, organization_id, worker_id FROM tinker_models
+WHERE worker_id IS NOT NULL AND lost IS NULL AND heartbeat_at < now() - make_interval(secs => $1)"""
+LOSE_STALE = """
+UPDATE tinker_models SET lost = $3, worker_id = NULL WHERE id = $1 AND worker_id = $2 AND lost IS NULL
+RETURNING id"""
 
 
 async def claim(conn: Conn, *, model_id: str, worker_id: str) -> TrainingModelRow | None:
@@ -246,11 +277,56 @@ async def release(conn: Conn, *, model_id: str, worker_id: str, resume_path: str
     return await conn.fetchval(RELEASE, model_id, worker_id, resume_path) is not None
 
 
+async def hand_back_model(conn: Conn, *, model_id: str, worker_id: str, resume_path: str) -> bool:
+    """Let a held Tinker model go for work that waits, with its state saved at `resume_path`, whether or not
+    requests of it are open (they wait for its next holder, which loads that state first). False when this
+    worker no longer holds it."""
+    return await conn.fetchval(HAND_BACK_MODEL, model_id, worker_id, resume_path) is not None
+
+
+async def model_asked(conn: Conn, *, model_id: str) -> bool:
+    """Whether requests of a Tinker model are open (so, once let go, it needs a wake-up of its own)."""
+    return bool(await conn.fetchval(MODEL_ASKED, model_id))
+
+
 async def lose(pool: asyncpg.Pool, *, model_id: str, reason: str) -> None:
     """The model's weights are gone: mark it, and fail its open requests with `reason`."""
     async with pool.acquire() as c, c.transaction():
         await c.execute(LOSE, model_id, reason)
         await c.execute(FAIL_OPEN, model_id, reason)
+
+
+# ---------------------------------------------------------------------------------------------- the lease
+def lost_reason(model_id: str) -> str:
+    """Why the open requests of a model whose holder stopped beating failed."""
+    return (
+        f"The worker holding model {model_id} stopped responding; its unsaved weights are lost. "
+        "Load your last saved state into a new training client."
+    )
+
+
+def _give_up(row: StaleWork, settings: Settings) -> str:
+    return lost_reason(row.id)
+
+
+async def _fail_open(conn: Conn, row: StaleWork, reason: str) -> None:
+    await conn.execute(FAIL_OPEN, row.id, reason)
+
+
+MODEL_LEASE = Lease(
+    kind="tinker_model",
+    function=RUN_TINKER_MODEL,
+    claim=CLAIM,
+    heartbeat=BEAT,
+    release=LET_GO,
+    queued_unclaimed=QUEUED_MODELS,
+    stale=STALE_MODELS,
+    fail_stale=LOSE_STALE,
+    give_up=_give_up,
+    on_failed=_fail_open,
+)
+"""A training model held by a worker (`gateway.tinker.holder`). Its holder lets it go itself, with its state
+saved (`release`, `hand_back_model`), so it has no `requeue_own`; a lost holder loses the model at once."""
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints

@@ -1,5 +1,5 @@
-"""Eval runs in the worker, in arq's idiom: `run_eval` executes one run; cron tasks re-enqueue runs that
-missed the queue and take runs back from workers that died.
+"""Eval runs in the worker, in arq's idiom: `run_eval` executes one run. Runs that missed the queue, and
+runs of workers that died, are the runs' lease's (`gateway.evals.store.RUN_LEASE`, `gateway.work.lease`).
 
 A run goes through the gateway's own inference path, never to an engine directly. The worker mints a key
 of the run's organisation for the run (`gateway.tenancy.scoped`), asks `POST {gateway_url}/v1/chat/
@@ -39,9 +39,8 @@ from gateway.evals import store
 from gateway.evals.datasource import Row, render_messages
 from gateway.evals.grading import Summary, add_usage, grade_item, item_status
 from gateway.evals.rows import RunRow
-from gateway.queue import RUN_EVAL, enqueue
-from gateway.settings import Settings
 from gateway.tenancy import scoped
+from gateway.work import lease
 from gateway.worker.context import JobContext
 from gateway.worker.eval_items import ITEMS_IN_FLIGHT, PendingItems
 
@@ -335,7 +334,7 @@ class EvalRunExecution:
 
 async def run_eval(ctx: dict[str, Any], run_id: str) -> str:
     """Claim eval run `run_id` and execute it. A worker with every eval slot busy leaves the run queued
-    (the `requeue_missed_runs` cron offers it again) rather than holding an arq slot while it waits."""
+    (the lease's `requeue_missed` cron offers it again) rather than holding an arq slot while it waits."""
     slots: asyncio.Semaphore = ctx["eval_slots"]
     if slots.locked():
         return "busy"
@@ -349,7 +348,7 @@ async def run_eval(ctx: dict[str, Any], run_id: str) -> str:
         try:
             return await execution.execute()
         except asyncio.CancelledError:  # the worker is shutting down: the run goes back to the queue
-            await asyncio.shield(_hand_back(ctx, run_id))
+            await asyncio.shield(lease.hand_back(ctx, store.RUN_LEASE, run_id))
             raise
         except Exception as exc:
             logger.exception("eval run %s: worker error", run_id)
@@ -361,50 +360,3 @@ async def run_eval(ctx: dict[str, Any], run_id: str) -> str:
                 error={"code": "worker_error", "message": f"{type(exc).__name__}: {exc}"},
             )
             return "failed"
-
-
-async def _hand_back(ctx: dict[str, Any], run_id: str) -> None:
-    row = await store.requeue_own_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
-    if row is None:
-        await store.release_run(ctx["pool"], run_id=run_id, worker_id=ctx["worker_id"])
-    else:
-        await enqueue(
-            ctx["redis"], ctx["settings"].queue_name, run_id, row.queue_generation, function=RUN_EVAL
-        )
-
-
-async def requeue_missed_runs(ctx: dict[str, Any]) -> int:
-    """Enqueue queued eval runs that have no message (Redis was down at create, or every slot was busy)."""
-    sent = 0
-    for row in await store.queued_unclaimed_runs(ctx["pool"]):
-        if await enqueue(
-            ctx["redis"], ctx["settings"].queue_name, row.id, row.queue_generation, function=RUN_EVAL
-        ):
-            sent += 1
-    return sent
-
-
-async def reap_stale_runs(ctx: dict[str, Any]) -> int:
-    """Take eval runs back from workers that stopped heartbeating: revoke their keys, then re-queue the
-    runs (they resume with the items they lack), or fail them after `max_attempts`."""
-    settings: Settings = ctx["settings"]
-    pool: asyncpg.Pool = ctx["pool"]
-    reaped = 0
-    for row in await store.stale_runs(pool, after_s=settings.stale_after_s):
-        if row.worker_key_id:
-            await scoped.revoke(pool, row.worker_key_id)
-        if row.attempts >= settings.max_attempts:
-            message = f"The run's worker was lost {row.attempts} times; giving up."
-            error = {"code": "max_attempts_exceeded", "message": message}
-            if await store.fail_stale_run(pool, run_id=row.id, worker_id=row.worker_id, error=error):
-                reaped += 1
-            continue
-        requeued = await store.requeue_stale_run(pool, run_id=row.id, worker_id=row.worker_id)
-        if requeued is None:
-            continue
-        reaped += 1
-        if requeued.status == "queued":
-            await enqueue(
-                ctx["redis"], settings.queue_name, row.id, requeued.queue_generation, function=RUN_EVAL
-            )
-    return reaped

@@ -1,6 +1,7 @@
-"""The worker (scheduler), in arq's idiom: `run_job` trains one job; cron tasks re-enqueue jobs that missed
-the queue and take jobs back from workers that died. Eval runs are executed the same way (`run_eval` and its
-crons, in `gateway.worker.evals`).
+"""The worker (scheduler), in arq's idiom: `run_job` trains one job, `run_tinker_model` holds a Tinker
+training model, `run_eval` executes an eval run (`gateway.worker.evals`). Every kind of work has one lease
+(`gateway.work.lease`): for each in `LEASES`, one cron re-enqueues the work that missed the queue and one
+takes work back from workers that died.
 
 A queue message only wakes a worker: `run_job` claims the fairest queued job in one SQL statement (the
 organisation with the fewest running jobs first), so one organisation's many jobs cannot starve another's.
@@ -22,27 +23,33 @@ from envsdk.sandbox import remove_stale_dirs
 from gateway.billing.outbox import run_billing
 from gateway.blobstore import BlobStore
 from gateway.db import create_pool, migrate
+from gateway.evals.store import RUN_LEASE
 from gateway.ids import new_id
-from gateway.jobs import store as jobs_store
+from gateway.jobs import running
+from gateway.jobs.running import JOB_LEASE
 from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets, make_limits_redis
 from gateway.notices import Notices
-from gateway.queue import RUN_JOB, enqueue, make_queue
+from gateway.queue import RUN_JOB, make_queue
 from gateway.settings import Settings
-from gateway.tenancy import scoped
 from gateway.tinker import store as tinker_store
 from gateway.tinker.holder import Holder
 from gateway.tinker.housekeeping import tinker_housekeeping
 from gateway.tinker.rows import TrainingModelRow
-from gateway.worker import presence, store
+from gateway.tinker.store import MODEL_LEASE
+from gateway.work import lease, presence
+from gateway.work import store as work_store
+from gateway.work.devices import DevicePool, devices_of_job, generation_devices, parse_devices
+from gateway.work.lease import Lease
+from gateway.work.resilience import Worker
 from gateway.worker.context import JobContext
-from gateway.worker.devices import DevicePool, devices_of_job, generation_devices, parse_devices
-from gateway.worker.evals import reap_stale_runs, requeue_missed_runs, run_eval
-from gateway.worker.job.process import key_name
-from gateway.worker.resilience import Worker
+from gateway.worker.evals import run_eval
 from gateway.worker.runner import JobRun
 
 logger = logging.getLogger(__name__)
+
+LEASES: tuple[Lease, ...] = (JOB_LEASE, RUN_LEASE, MODEL_LEASE)
+"""Every kind of work a worker holds (`gateway.work.lease`)."""
 
 
 async def startup(ctx: dict[str, Any]) -> None:
@@ -54,7 +61,7 @@ async def startup(ctx: dict[str, Any]) -> None:
     ctx["notices"] = Notices(settings.database_url, (tinker_store.REQUEST_CHANNEL,))
     await asyncio.to_thread(remove_stale_dirs)  # sandbox dirs a killed worker left behind
     ctx["worker_id"] = f"{socket.gethostname()}:{os.getpid()}:{new_id('', 6)}"
-    await store.announce(
+    await work_store.announce(
         ctx["pool"], worker_id=ctx["worker_id"], devices=ctx["devices"].size, kind=_kind(ctx)
     )
     ctx["eval_slots"] = asyncio.Semaphore(settings.eval_run_slots)
@@ -94,7 +101,7 @@ async def shutdown(ctx: dict[str, Any]) -> None:
     pool: asyncpg.Pool | None = ctx.get("pool")
     if pool is not None:
         with contextlib.suppress(OSError, asyncpg.PostgresError):
-            await store.leave(pool, worker_id=ctx["worker_id"])
+            await work_store.leave(pool, worker_id=ctx["worker_id"])
         await pool.close()
 
 
@@ -110,10 +117,10 @@ async def run_tinker_model(ctx: dict[str, Any], model_id: str) -> str:
 
 
 async def take_work(ctx: dict[str, Any]) -> str:
-    """Claim the fairest work of either kind (`store.fairest`: a queued job or a Tinker model waiting for a
-    holder) that fits the free devices, take its devices and run it: a job to the end of its trainer run, a
-    model until it is idle. Every job and every waiting model has a wake-up of its own, so the one this takes
-    in another's place is taken by that other's wake-up."""
+    """Claim the fairest work of either kind (`work_store.fairest`: a queued job or a Tinker model waiting
+    for a holder) that fits the free devices, take its devices and run it: a job to the end of its trainer
+    run, a model until it is idle. Every job and every waiting model has a wake-up of its own, so the one
+    this takes in another's place is taken by that other's wake-up."""
     pool: asyncpg.Pool = ctx["pool"]
     worker_id: str = ctx["worker_id"]
     settings: Settings = ctx["settings"]
@@ -125,7 +132,7 @@ async def take_work(ctx: dict[str, Any]) -> str:
             if not free:
                 continue
             generation = generation_devices(settings, "reinforcement")
-            work = await store.fairest(pool, free=free, generation=generation)
+            work = await work_store.fairest(pool, free=free, generation=generation)
             if work is None:
                 return "nothing to claim"
             claimed: JobRow | TrainingModelRow | None
@@ -133,7 +140,7 @@ async def take_work(ctx: dict[str, Any]) -> str:
                 claimed = await tinker_store.claim(pool, model_id=work.id, worker_id=worker_id)
                 count = 1
             else:
-                claimed = await store.claim(pool, job_id=work.id, worker_id=worker_id)
+                claimed = await running.claim(pool, job_id=work.id, worker_id=worker_id)
                 if claimed is not None:
                     method = claimed.method
                     count = devices_of_job(method) + generation_devices(settings, method["type"])
@@ -151,64 +158,10 @@ async def take_work(ctx: dict[str, Any]) -> str:
         await devices.give_back(taken)
 
 
-async def requeue_missed(ctx: dict[str, Any]) -> int:
-    """Enqueue queued jobs that have no message (Redis was down at create, or a wake-up was spent)."""
-    sent = 0
-    for row in await store.queued_unclaimed(ctx["pool"]):
-        if await enqueue(ctx["redis"], ctx["settings"].queue_name, row.id, row.queue_generation):
-            sent += 1
-    return sent
-
-
-async def reap_stale(ctx: dict[str, Any]) -> int:
-    """Take jobs back from workers that stopped heartbeating: revoke the keys minted for their trainers (a
-    trainer dies with its worker; the key would live on until it expires), then re-queue them, or fail them
-    after N attempts. Revoked first, so that the key of the job's next attempt is never among them."""
-    settings: Settings = ctx["settings"]
-    pool: asyncpg.Pool = ctx["pool"]
-    reaped = 0
-    for row in await store.stale(pool, after_s=settings.stale_after_s):
-        for key_id in await scoped.revoke_named(
-            pool, org_id=row.organization_id, kind="job", name=key_name(row.id)
-        ):
-            logger.info("job %s: revoked key %s of its lost worker %s", row.id, key_id, row.worker_id)
-        if row.attempts >= settings.max_attempts:
-            message = f"The job's worker was lost {row.attempts} times; giving up."
-            error = {"code": "max_attempts_exceeded", "param": None, "message": message}
-            failed = await store.fail_stale(pool, job_id=row.id, worker_id=row.worker_id, error=error)
-            if failed is not None:
-                await jobs_store.add_event(
-                    pool,
-                    job_id=row.id,
-                    org_id=row.organization_id,
-                    level="error",
-                    message=message,
-                    dedup_key="failed",
-                )
-            reaped += 1
-            continue
-        requeued = await store.requeue_stale(pool, job_id=row.id, worker_id=row.worker_id)
-        if requeued is None:
-            continue
-        reaped += 1
-        if requeued.status == "queued":
-            await jobs_store.add_event(
-                pool,
-                job_id=row.id,
-                org_id=row.organization_id,
-                level="warn",
-                message="The job's worker stopped responding; the job was re-queued"
-                + (" and will resume from its last checkpoint" if row.last_checkpoint else ""),
-                dedup_key=f"requeued:{requeued.queue_generation}",
-            )
-            await enqueue(ctx["redis"], settings.queue_name, row.id, requeued.queue_generation)
-    return reaped
-
-
 async def announce(ctx: dict[str, Any]) -> None:
     """Tell the gateways this worker is alive and how many devices it owns (a job larger than every live
     worker is refused at creation)."""
-    await store.announce(
+    await work_store.announce(
         ctx["pool"], worker_id=ctx["worker_id"], devices=ctx["devices"].size, kind=_kind(ctx)
     )
 
@@ -225,6 +178,21 @@ def _billing_cron(settings: Settings) -> Any:
     return cron(bill, minute=set(range(0, 60, max(1, every // 60))), second={0}, unique=True, timeout=300)
 
 
+def _lease_crons(held: Lease, seconds: set[int]) -> list[Any]:
+    """The two crons of one kind of work: wake-ups for its missed work, and its reaper."""
+
+    async def requeue(ctx: dict[str, Any]) -> int:
+        return await lease.requeue_missed(ctx, held)
+
+    async def reap(ctx: dict[str, Any]) -> int:
+        return await lease.reap_stale(ctx, held)
+
+    return [
+        cron(requeue, name=f"requeue_missed:{held.kind}", second=seconds, run_at_startup=True, timeout=60),
+        cron(reap, name=f"reap_stale:{held.kind}", second=seconds, run_at_startup=True, timeout=60),
+    ]
+
+
 def build_worker(settings: Settings) -> Worker:
     """The arq worker for these settings."""
     assert settings.redis_url
@@ -234,10 +202,7 @@ def build_worker(settings: Settings) -> Worker:
     return Worker(
         functions=[run_job, run_eval, run_tinker_model],
         cron_jobs=[
-            cron(requeue_missed, second=seconds, run_at_startup=True, unique=True, timeout=60),
-            cron(reap_stale, second=seconds, run_at_startup=True, unique=True, timeout=60),
-            cron(requeue_missed_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
-            cron(reap_stale_runs, second=seconds, run_at_startup=True, unique=True, timeout=60),
+            *(task for held in LEASES for task in _lease_crons(held, seconds)),
             cron(announce, second=seconds, unique=False, timeout=60),
             cron(tinker_housekeeping, second={0}, run_at_startup=True, unique=True, timeout=120),
             _billing_cron(settings),

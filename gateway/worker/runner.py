@@ -29,6 +29,7 @@ from typing import Any
 from arq.connections import ArqRedis
 
 from gateway.ids import new_id
+from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets
@@ -36,15 +37,15 @@ from gateway.models import store as models_store
 from gateway.queue import enqueue
 from gateway.serving.engines import AdapterLoader
 from gateway.serving.versions import adapter_version
-from gateway.worker import store
+from gateway.work import lease
+from gateway.work.devices import Device, cpu_devices, generation_devices, strategy
+from gateway.work.resilience import until_database_answers
 from gateway.worker.context import JobContext, OutsideWorkdir
-from gateway.worker.devices import Device, cpu_devices, generation_devices, strategy
 from gateway.worker.job.generation import generation_server
 from gateway.worker.job.ingest import Ingest, Progress
 from gateway.worker.job.metering import Meter
 from gateway.worker.job.process import RunOutcome, TrainerProcess
 from gateway.worker.job.spec import calls_models, fine_tuned_model_name, write_spec
-from gateway.worker.resilience import until_database_answers
 from trainer.spec import ErrorEvent, ResultEvent
 
 logger = logging.getLogger(__name__)
@@ -159,13 +160,13 @@ class JobRun:
         # Stopped (pause, cancel) or overtaken: give the job up; a paused job keeps its checkpoints to resume.
         # The attempt's training usage is written in the same transaction that lets the job go.
         async with self.ctx.pool.acquire() as conn, conn.transaction():
-            released = await store.release(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
+            released = await running.release(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
             if released is not None:
                 await self.meter.record_usage(conn, released.status)
         if released is None:
             return "lost"
         if released.status == "running":
-            await store.requeue_own(self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
+            await running.requeue_own(self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
         if released.status == "queued":
             await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, released.queue_generation)
         if released.status == "cancelled":
@@ -176,14 +177,18 @@ class JobRun:
         """The worker is shutting down: stop the trainer (it checkpoints) and queue the job again."""
         await self.process.stop("worker shutdown")
         await self.process.exited()
-        async with self.ctx.pool.acquire() as conn, conn.transaction():
-            row = await store.requeue_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
-            if row is not None:
-                await self.meter.record_usage(conn, "handed_back")
-        if row is None:
-            await store.release(self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
-        else:
-            await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, row.queue_generation)
+        host = {
+            "pool": self.ctx.pool,
+            "redis": self.queue,
+            "settings": self.ctx.settings,
+            "worker_id": self.ctx.worker_id,
+        }
+        await lease.hand_back(
+            host,
+            running.JOB_LEASE,
+            self.ctx.id,
+            within=lambda conn: self.meter.record_usage(conn, "handed_back"),
+        )
 
     async def succeed(self, event: ResultEvent) -> JobRow | None:
         """Store the adapter, register the model and the result file, and mark the job succeeded — one
@@ -203,13 +208,13 @@ class JobRun:
                 logger.warning(
                     "job %s: %s could not load the adapter yet: %s", self.ctx.id, upstream, problem
                 )
-        csv_bytes = _metrics_csv(await store.job_metrics(self.ctx.pool, job_id=self.ctx.id))
+        csv_bytes = _metrics_csv(await running.job_metrics(self.ctx.pool, job_id=self.ctx.id))
         file_id = new_id("file-")
         file_key = f"files/{self.ctx.org_id}/{file_id}"
         temp = self.ctx.blobs.new_temp()
         temp.write_bytes(csv_bytes)
         async with self.ctx.pool.acquire() as conn, conn.transaction():
-            row = await store.succeed_own(
+            row = await running.succeed_own(
                 conn,
                 job_id=self.ctx.id,
                 worker_id=self.ctx.worker_id,
@@ -222,7 +227,7 @@ class JobRun:
                 temp.unlink(missing_ok=True)
                 return None
             await self.meter.record_usage(conn, "succeeded", total_tokens=event.trained_tokens)
-            await store.add_result_file(
+            await running.add_result_file(
                 conn,
                 file_id=file_id,
                 org_id=self.ctx.org_id,
@@ -254,7 +259,7 @@ class JobRun:
         """Mark the job failed with `code` (guarded by this worker holding a running job), usage included."""
         error = {"code": code, "message": message, "param": None}
         async with self.ctx.pool.acquire() as conn, conn.transaction():
-            row = await store.fail_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id, error=error)
+            row = await running.fail_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id, error=error)
             if row is not None:
                 await self.meter.record_usage(conn, "failed")
         if row is not None:

@@ -19,7 +19,7 @@ import pytest
 from safetensors.torch import load_file
 
 from gateway.settings import Settings
-from gateway.worker.devices import Device, DevicePool, cpu_devices, launch, parse_devices, strategy
+from gateway.work.devices import Device, DevicePool, cpu_devices, launch, parse_devices, strategy
 from tests.support.data import SFT
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import (
@@ -125,7 +125,7 @@ def _placement(t: Tenant, job_id: str) -> dict[str, Any]:
 
 
 def _wait_announced(gw: GatewayServer, devices: int) -> None:
-    from gateway.worker import store
+    from gateway.work import store
 
     async def largest() -> int | None:
         import asyncpg

@@ -11,11 +11,12 @@ import asyncio
 
 import asyncpg
 
+from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.tenancy import store as tenancy_store
 from gateway.tinker import store as tinker_store
-from gateway.worker import store
-from gateway.worker.store import Work
+from gateway.work import store
+from gateway.work.store import Work
 
 
 async def _org(pool: asyncpg.Pool, name: str) -> str:
@@ -50,7 +51,7 @@ async def _take(pool: asyncpg.Pool, free: int = 1) -> Work | None:
     """What a worker with `free` devices takes next, taken as `take_work` takes it."""
     work = await store.fairest(pool, free=free)
     if work is not None and work.kind == "job":
-        assert await store.claim(pool, job_id=work.id, worker_id="w") is not None
+        assert await running.claim(pool, job_id=work.id, worker_id="w") is not None
     elif work is not None:
         assert await tinker_store.claim(pool, model_id=work.id, worker_id="w") is not None
     await asyncio.sleep(0.01)  # distinct start times
@@ -90,5 +91,5 @@ async def test_only_work_that_fits_and_can_be_held_is_taken(migrated_pool: async
     assert await tinker_store.claim(pool, model_id=held, worker_id="w") is not None
     assert await store.fairest(pool, free=1) is None  # a held model waits for no one
     # a job another worker claimed between the choice and the claim is not claimed twice
-    assert await store.claim(pool, job_id=big, worker_id="w1") is not None
-    assert await store.claim(pool, job_id=big, worker_id="w2") is None
+    assert await running.claim(pool, job_id=big, worker_id="w1") is not None
+    assert await running.claim(pool, job_id=big, worker_id="w2") is None

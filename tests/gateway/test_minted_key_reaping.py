@@ -13,7 +13,8 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.worker.job.process import KEY_TTL_S, key_name
+from gateway.jobs.running import key_name
+from gateway.worker.job.process import KEY_TTL_S
 from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
 from tests.support.jobs import all_events, graded_rl_job, trainer_processes, wait_for

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from envsdk.archive import pack
-from gateway.worker.job.process import trainer_env
+from gateway.work.process import trainer_env
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import GatewayServer, Tenant, admin_of
 

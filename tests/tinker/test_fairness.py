@@ -4,7 +4,7 @@ a fine-tuning job of another organisation queued, it is saved and lets the slot 
 the job trains, and the model's next request waits its turn and goes on from the same weights.
 
 The stack tests run a worker with ONE training slot against a gateway on a database of its own; the store
-tests check the order a holder asks (`gateway.worker.store.fairest` with `holding`) on a migrated database.
+tests check the order a holder asks (`gateway.work.store.fairest` with `holding`) on a migrated database.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import pytest
 import tinker
 from tinker import types
 
+from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.tenancy import store as tenancy_store
 from gateway.tinker import store as tinker_store
-from gateway.worker import store
-from gateway.worker.store import Work
+from gateway.work import store
+from gateway.work.store import Work
 from tests.support.data import HELLO_SFT
 from tests.support.fixtures import gateway_fixture
 from tests.support.jobs import FINAL_STATES, long_sft_job, wait_for
@@ -239,12 +240,12 @@ async def test_a_holder_gives_way_only_to_work_the_fair_order_puts_first(migrate
     )
     assert await store.fairest(pool, free=1, holding=held) == Work("job", queued)
     # let go with its request open, the model ranks after the job it let go for in the claims that follow
-    assert await store.hand_back_model(pool, model_id=held, worker_id="w", resume_path="/saved")
-    assert await store.model_asked(pool, model_id=held)
+    assert await tinker_store.hand_back_model(pool, model_id=held, worker_id="w", resume_path="/saved")
+    assert await tinker_store.model_asked(pool, model_id=held)
     assert await store.fairest(pool, free=1) == Work("job", queued)
-    assert await store.claim(pool, job_id=queued, worker_id="w") is not None
+    assert await running.claim(pool, job_id=queued, worker_id="w") is not None
     assert await store.fairest(pool, free=1) == keep
     row = await pool.fetchrow("SELECT worker_id, resume_path FROM tinker_models WHERE id = $1", held)
     assert (row["worker_id"], row["resume_path"]) == (None, "/saved")
     # only the holder lets its model go
-    assert not await store.hand_back_model(pool, model_id=held, worker_id="w", resume_path="/other")
+    assert not await tinker_store.hand_back_model(pool, model_id=held, worker_id="w", resume_path="/other")

@@ -5,5 +5,5 @@
 3. `ingest`: the trainer's events to rows (metrics, checkpoints, messages);
 4. `metering`: the attempt's cost, its usage row, the budget pause.
 
-Each stage holds one concern and its SQL lives in the stores (`gateway.worker.store`, `gateway.jobs.store`).
+Each stage holds one concern and its SQL lives in the stores (`gateway.jobs.running`, `gateway.jobs.store`).
 """

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from gateway.worker.devices import Device, free_port, vllm_serve
-from gateway.worker.job.process import die_with_parent, log_tail, trainer_env
+from gateway.work.devices import Device, free_port, vllm_serve
+from gateway.work.process import die_with_parent, trainer_env
+from gateway.worker.job.process import log_tail
 
 STARTUP_TIMEOUT_S = 600.0
 """Longest wait for a generation server to answer its health check (it loads the model first)."""

@@ -16,10 +16,10 @@ from typing import Any
 
 from prometheus_client import Counter, Histogram
 
+from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
 from gateway.serving.versions import adapter_version
-from gateway.worker import store
 from gateway.worker.context import JobContext
 from gateway.worker.job.spec import fine_tuned_model_name
 from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
@@ -117,7 +117,7 @@ class Ingest:
         stored = await asyncio.to_thread(self.ctx.blobs.put_tree, path, key)
         version = await asyncio.to_thread(adapter_version, stored)
         name = f"{fine_tuned_model_name(self.ctx.row)}:ckpt-step-{step}"
-        await store.add_checkpoint(
+        await running.add_checkpoint(
             self.ctx.pool,
             job_id=self.ctx.id,
             org_id=self.ctx.org_id,

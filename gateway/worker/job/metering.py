@@ -17,12 +17,12 @@ import time
 
 import asyncpg
 
+from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
 from gateway.limits.buckets import Buckets, month_key, to_micro
 from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.usage.pricing import training_cost
-from gateway.worker import store
 from gateway.worker.context import JobContext
 from gateway.worker.job.ingest import Progress
 
@@ -45,7 +45,7 @@ class Meter:
 
     async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
         """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
-        earlier = await store.recorded_tokens(conn, job_id=self.ctx.id)
+        earlier = await running.recorded_tokens(conn, job_id=self.ctx.id)
         tokens = max(0, (self.progress.tokens_seen or 0) - earlier)
         return training_cost(self.ctx.settings, self.ctx.row.model, tokens, self.progress.seconds)
 
@@ -72,7 +72,7 @@ class Meter:
         if spent + cost < budget:
             return False
         async with self.ctx.pool.acquire() as conn, conn.transaction():
-            row = await store.pause_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
+            row = await running.pause_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
             if row is None:
                 return False  # cancelled, paused or taken meanwhile: the next beat sees it
             await jobs_store.add_event(
@@ -102,10 +102,10 @@ class Meter:
             return
         self.usage_recorded = True
         cumulative = max(total_tokens, self.progress.tokens_seen or 0)
-        earlier = await store.recorded_tokens(conn, job_id=self.ctx.id)
+        earlier = await running.recorded_tokens(conn, job_id=self.ctx.id)
         seconds = self.progress.seconds
         tokens = max(0, cumulative - earlier)
-        await store.add_training_usage(
+        await running.add_training_usage(
             conn,
             org_id=self.ctx.org_id,
             job_id=self.ctx.id,

@@ -16,7 +16,7 @@ gateway's own `/v1/chat/completions` with it (`inference_base_url` in the spec, 
 environment, `trainer.spec.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
 organisation's, and its calls are rate-limited, held to the budget and metered under the key's id. The
 heartbeat renews the key; it is revoked when the trainer ends (however it ends), and by the reaper that takes
-the job back from a worker that died first (`gateway.worker.main.reap_stale`, which finds it by its name,
+the job back from a worker that died first (`gateway.work.lease.reap_stale`, which finds it by its name,
 `key_name`); a key nobody revoked expires within `KEY_TTL_S`.
 
 An environment job's trainer on a deployment with Redis reaches the env servers' pool with a Redis user of
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
@@ -45,17 +44,19 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from envsdk.venvs import builder_env
+from gateway.jobs import running
+from gateway.jobs.running import key_name
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
 from gateway.tenancy import scoped
-from gateway.worker import redis_acl, store
+from gateway.work.devices import Device, cpu_devices, free_port, launch
+from gateway.work.process import die_with_parent, trainer_env
+from gateway.work.resilience import until_database_answers
+from gateway.worker import redis_acl
 from gateway.worker.context import JobContext
-from gateway.worker.devices import Device, cpu_devices, free_port, launch
 from gateway.worker.job.ingest import Progress, ProgressEvent
-from gateway.worker.resilience import until_database_answers
 from trainer.spec import (
     EVENT,
-    INFERENCE_KEY_ENV,
     ErrorEvent,
     ResultEvent,
     StoppedEvent,
@@ -66,46 +67,6 @@ logger = logging.getLogger(__name__)
 
 KEY_TTL_S = 300.0
 """Life of a job's key between renewals (the heartbeat renews it every third of that)."""
-_PR_SET_PDEATHSIG = 1
-
-
-def key_name(job_id: str) -> str:
-    """The name of the keys minted for a job's trainers (the reaper revokes them by it)."""
-    return f"job {job_id}"
-
-
-TRAINER_ENV_PASSED = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "LD_LIBRARY_PATH")
-"""Host variables the trainer gets as they are (with those of `TRAINER_ENV_PREFIXES`)."""
-TRAINER_ENV_PREFIXES = (
-    "CUDA_",
-    "NVIDIA_",
-    "HF_",
-    "TRANSFORMERS_",
-    "TORCH",
-    "PYTORCH_",
-    "VLLM_",
-    "NCCL_",
-    "OMP_",
-    "MKL_",
-    "PIP_",  # pip's configuration, for a trainer that builds its environment package's venv
-)
-
-
-def trainer_env(workdir: Path, inference_key: str | None = None) -> dict[str, str]:
-    """The trainer's whole environment: what Python, PyTorch, CUDA and Hugging Face read, and nothing of the
-    worker's settings. The trainer reads its spec; the database URL, the admin key and the Stripe key stay in
-    the worker. `inference_key`, the job's own key for its model graders, is the one secret it gets here; an
-    environment job's trainer also gets its own Redis user for the env servers' pool (`redis_acl`)."""
-    env = {
-        name: value
-        for name, value in os.environ.items()
-        if name in TRAINER_ENV_PASSED or name.startswith(TRAINER_ENV_PREFIXES)
-    }
-    env.setdefault("PATH", "/usr/bin:/bin")
-    env.update(PYTHONUNBUFFERED="1", HOME=str(workdir))
-    if inference_key is not None:
-        env[INFERENCE_KEY_ENV] = inference_key
-    return env
 
 
 def is_environment_job(method: dict[str, Any]) -> bool:
@@ -123,17 +84,6 @@ def uses_env_pool(settings: Settings, method: dict[str, Any]) -> bool:
     """Whether the job's trainer gets a Redis user for the env servers' pool (`trainer.envpool` runs the
     environment there when a server of the pool is registered)."""
     return bool(settings.redis_url) and is_environment_job(method)
-
-
-def die_with_parent(cpus: set[int] | None = None) -> None:
-    """In a child of the worker (a trainer, a generation server): get SIGKILL when the worker dies, so no
-    orphan trains on; a session of its own; confined to `cpus` when given."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.setsid()
-    if cpus:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, cpus)
 
 
 @dataclass
@@ -323,7 +273,7 @@ class TrainerProcess:
         while True:
             await asyncio.sleep(self.ctx.settings.heartbeat_interval_s)
             try:
-                status = await store.heartbeat(
+                status = await running.heartbeat(
                     self.ctx.pool, job_id=self.ctx.id, worker_id=self.ctx.worker_id, step=self.progress.step
                 )
                 if self.key_id is not None and time.monotonic() - self.key_renewed > KEY_TTL_S / 3:

@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 
 from envsdk.graders import model_fields
+from gateway.jobs import running
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
-from gateway.worker import store
 from gateway.worker.context import JobContext
 from trainer.spec import TrainerSpec
 
@@ -39,7 +39,7 @@ async def write_spec(ctx: JobContext[JobRow], *, workdir: Path, vllm_server: str
     job, settings = ctx.row, ctx.settings
 
     async def file_path(file_id: str) -> Path:
-        key = await store.file_blob_key(ctx.pool, file_id=file_id, org_id=ctx.org_id)
+        key = await running.file_blob_key(ctx.pool, file_id=file_id, org_id=ctx.org_id)
         if key is None:
             raise FileNotFoundError(f"file {file_id} was deleted before training started")
         return ctx.blobs.path(key)

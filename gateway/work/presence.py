@@ -11,7 +11,7 @@ import logging
 
 from redis.asyncio import Redis
 
-from gateway.worker.resilience import REDIS_ERRORS
+from gateway.work.resilience import REDIS_ERRORS
 
 logger = logging.getLogger(__name__)
 

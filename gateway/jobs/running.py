@@ -1,85 +1,34 @@
-"""The worker's SQL: claiming, heartbeats, events, checkpoints, a job's files and metrics, and the end of a
-job.
+"""A fine-tuning job while a worker holds it: its lease (`JOB_LEASE`, `gateway.work.lease`), and what an
+attempt writes: heartbeats, checkpoints, the job's files and metrics, its training usage and its end.
 
-A worker acts for every organisation, so these statements take a job id; each row written still carries
-the job's organisation.
+A worker acts for every organisation, so these statements take a job id; each row written still carries the
+job's organisation. Every change of a held job is guarded by the worker still holding it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+import logging
+from typing import Any
 
-from gateway.db import Conn, maybe_row_to, rows_to
+import asyncpg
+
+from gateway.db import Conn, maybe_row_to
 from gateway.ids import new_id
+from gateway.jobs import store
 from gateway.jobs.store import JobRow
+from gateway.queue import RUN_JOB
+from gateway.settings import Settings
+from gateway.tenancy import scoped
+from gateway.work.lease import Lease, StaleWork
+
+logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class QueuedJob:
-    """A queued job no worker holds: what its queue message needs."""
-
-    id: str
-    queue_generation: int
+def key_name(job_id: str) -> str:
+    """The name of the keys minted for a job's trainers (the reaper revokes them by it)."""
+    return f"job {job_id}"
 
 
-@dataclass(frozen=True, slots=True)
-class StaleJob:
-    """A job whose worker stopped heartbeating."""
-
-    id: str
-    organization_id: str
-    attempts: int
-    worker_id: str
-    last_checkpoint: str | None
-
-
-# The fairest work that fits the free devices, of both kinds a worker runs on its devices: queued jobs and
-# Tinker training models waiting for a holder (open requests, no worker). The organisation with the fewest
-# running jobs and held models first, then the one that started either least recently, then the work that
-# has waited longest. $3, when not null, is a held model whose holder asks whether to let its slot go
-# (`gateway.tinker.holder`): it is ranked as if it waited, had just been taken (as `HAND_BACK_MODEL` records
-# it), and had waited least of all.
-FAIREST = """
-WITH work AS (
-    SELECT 'job' AS kind, j.id, j.organization_id, j.queued_at AS since, j.seq
-    FROM fine_tuning_jobs j
-    WHERE j.status = 'queued' AND j.worker_id IS NULL
-      -- only a job whose devices (and a reinforcement job's generation devices) are free here
-      AND coalesce((j.method #>> ARRAY[j.method->>'type', 'hyperparameters', 'gpus'])::int, 1)
-          + CASE WHEN j.method->>'type' = 'reinforcement' THEN $2::int ELSE 0 END <= $1
-    UNION ALL
-    SELECT 'tinker', m.id, m.organization_id, w.since, m.seq
-    FROM (SELECT model_id, min(created_at) AS since FROM tinker_requests
-          WHERE status IN ('pending', 'running') AND model_id IS NOT NULL GROUP BY model_id) w
-    JOIN tinker_models m ON m.id = w.model_id
-    WHERE m.worker_id IS NULL AND m.lost IS NULL AND $1 >= 1
-    UNION ALL
-    SELECT 'tinker', m.id, m.organization_id, now(), m.seq FROM tinker_models m WHERE m.id = $3::text
-)
-SELECT w.kind, w.id FROM work w
-ORDER BY (SELECT count(*) FROM fine_tuning_jobs r
-          WHERE r.organization_id = w.organization_id AND r.status = 'running')
-         + (SELECT count(*) FROM tinker_models t
-            WHERE t.organization_id = w.organization_id AND t.worker_id IS NOT NULL
-              AND t.id IS DISTINCT FROM $3::text),
-         greatest((SELECT max(r.started_at) FROM fine_tuning_jobs r
-                   WHERE r.organization_id = w.organization_id),
-                  (SELECT max(t.held_at) FROM tinker_models t
-                   WHERE t.organization_id = w.organization_id),
-                  (SELECT now() FROM tinker_models t
-                   WHERE t.id = $3::text AND t.organization_id = w.organization_id))
-             NULLS FIRST,
-         w.since, w.seq
-LIMIT 1"""
-# A held Tinker model lets its slot go for waiting work (`gateway.tinker.holder`), open requests or not. Its
-# `held_at` becomes now, so that the claims that follow rank it as `FAIREST` did with the model as $3: after
-# the work it let go for.
-HAND_BACK_MODEL = """
-UPDATE tinker_models SET worker_id = NULL, heartbeat_at = NULL, resume_path = $3, held_at = now()
-WHERE id = $1 AND worker_id = $2 RETURNING id"""
-MODEL_ASKED = """
-SELECT EXISTS (SELECT 1 FROM tinker_requests WHERE model_id = $1 AND status IN ('pending', 'running'))"""
 CLAIM = """
 UPDATE fine_tuning_jobs j
 SET status = 'running', worker_id = $2, heartbeat_at = now(), attempts = j.attempts + 1,
@@ -89,6 +38,8 @@ SET status = 'running', worker_id = $2, heartbeat_at = now(), attempts = j.attem
                              WHERE c.job_id = j.id AND c.path = j.last_checkpoint), j.current_step)
 WHERE j.id = $1 AND j.status = 'queued' AND j.worker_id IS NULL
 RETURNING j.*"""
+# The lease's beat (`gateway.work.lease`); a trainer's beat also records its step (`HEARTBEAT`).
+BEAT = "UPDATE fine_tuning_jobs SET heartbeat_at = now() WHERE id = $1 AND worker_id = $2 RETURNING status"
 HEARTBEAT = """
 UPDATE fine_tuning_jobs SET heartbeat_at = now(), current_step = coalesce($3, current_step)
 WHERE id = $1 AND worker_id = $2 RETURNING status"""
@@ -96,7 +47,7 @@ RELEASE = "UPDATE fine_tuning_jobs SET worker_id = NULL WHERE id = $1 AND worker
 REQUEUE_OWN = """
 UPDATE fine_tuning_jobs
 SET status = 'queued', worker_id = NULL, queued_at = now(), queue_generation = queue_generation + 1
-WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
+WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING queue_generation"""
 FAIL_OWN = """
 UPDATE fine_tuning_jobs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
 WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
@@ -128,7 +79,7 @@ SET status = CASE WHEN status = 'running' THEN 'queued' ELSE status END,
     worker_id = NULL,
     queued_at = CASE WHEN status = 'running' THEN now() ELSE queued_at END,
     queue_generation = queue_generation + CASE WHEN status = 'running' THEN 1 ELSE 0 END
-WHERE id = $1 AND worker_id = $2 RETURNING *"""
+WHERE id = $1 AND worker_id = $2 RETURNING status = 'queued' AS queued, queue_generation"""
 FAIL_STALE = """
 UPDATE fine_tuning_jobs SET status = 'failed', error = $3, finished_at = now(), worker_id = NULL
 WHERE id = $1 AND worker_id = $2 AND status = 'running' RETURNING *"""
@@ -145,60 +96,9 @@ INSERT INTO files (id, organization_id, filename, purpose, bytes, sha256, status
 VALUES ($1, $2, $3, 'fine-tune-results', $4, $5, 'processed', $6)"""
 
 
-@dataclass(frozen=True, slots=True)
-class Work:
-    """What a worker may take next: a queued job or a Tinker model waiting for a holder."""
-
-    kind: Literal["job", "tinker"]
-    id: str
-
-
-async def fairest(conn: Conn, *, free: int, generation: int = 0, holding: str | None = None) -> Work | None:
-    """The fairest work that fits `free` devices (a reinforcement job takes `generation` more, a Tinker
-    model one device), across organisations as `FAIREST` orders it; None when nothing waits. `holding`: a
-    held model that would give its device back (counted in `free`), ranked among the waiting work as if it
-    had just been taken; it is the answer when nothing else should have its device first."""
-    return maybe_row_to(Work, await conn.fetchrow(FAIREST, free, generation, holding))
-
-
-async def hand_back_model(conn: Conn, *, model_id: str, worker_id: str, resume_path: str) -> bool:
-    """Let a held Tinker model go for work that waits, with its state saved at `resume_path`, whether or not
-    requests of it are open (they wait for its next holder, which loads that state first). False when this
-    worker no longer holds it."""
-    return await conn.fetchval(HAND_BACK_MODEL, model_id, worker_id, resume_path) is not None
-
-
-async def model_asked(conn: Conn, *, model_id: str) -> bool:
-    """Whether requests of a Tinker model are open (so, once let go, it needs a wake-up of its own)."""
-    return bool(await conn.fetchval(MODEL_ASKED, model_id))
-
-
 async def claim(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
     """Take queued job `job_id` (None when another worker took it first)."""
     return maybe_row_to(JobRow, await conn.fetchrow(CLAIM, job_id, worker_id))
-
-
-ANNOUNCE = """
-INSERT INTO workers (id, devices, device_kind) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO UPDATE
-SET devices = EXCLUDED.devices, device_kind = EXCLUDED.device_kind, seen_at = now()"""
-LEAVE = "DELETE FROM workers WHERE id = $1"
-LARGEST = "SELECT max(devices) FROM workers WHERE seen_at > now() - make_interval(secs => $1)"
-
-
-async def announce(conn: Conn, *, worker_id: str, devices: int, kind: str) -> None:
-    """This worker is alive and owns `devices` devices of `kind`."""
-    await conn.execute(ANNOUNCE, worker_id, devices, kind)
-
-
-async def leave(conn: Conn, *, worker_id: str) -> None:
-    await conn.execute(LEAVE, worker_id)
-
-
-async def largest_worker(conn: Conn, *, within_s: float) -> int | None:
-    """The most devices a worker seen in the last `within_s` seconds owns (None: no worker seen)."""
-    value = await conn.fetchval(LARGEST, within_s)
-    return int(value) if value is not None else None
 
 
 async def heartbeat(conn: Conn, *, job_id: str, worker_id: str, step: int | None) -> str | None:
@@ -210,8 +110,11 @@ async def release(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
     return maybe_row_to(JobRow, await conn.fetchrow(RELEASE, job_id, worker_id))
 
 
-async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
-    return maybe_row_to(JobRow, await conn.fetchrow(REQUEUE_OWN, job_id, worker_id))
+async def requeue_own(conn: Conn, *, job_id: str, worker_id: str) -> int | None:
+    """Queue the running job this worker holds again: its new queue generation (None: it no longer runs
+    here)."""
+    generation: int | None = await conn.fetchval(REQUEUE_OWN, job_id, worker_id)
+    return generation
 
 
 async def pause_own(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
@@ -255,22 +158,6 @@ async def add_checkpoint(
     await conn.execute(SET_CHECKPOINT, job_id, path)
 
 
-async def queued_unclaimed(conn: Conn) -> list[QueuedJob]:
-    return rows_to(QueuedJob, await conn.fetch(QUEUED_UNCLAIMED))
-
-
-async def stale(conn: Conn, *, after_s: float) -> list[StaleJob]:
-    return rows_to(StaleJob, await conn.fetch(STALE, after_s))
-
-
-async def requeue_stale(conn: Conn, *, job_id: str, worker_id: str) -> JobRow | None:
-    return maybe_row_to(JobRow, await conn.fetchrow(REQUEUE_STALE, job_id, worker_id))
-
-
-async def fail_stale(conn: Conn, *, job_id: str, worker_id: str, error: dict[str, Any]) -> JobRow | None:
-    return maybe_row_to(JobRow, await conn.fetchrow(FAIL_STALE, job_id, worker_id, error))
-
-
 async def file_blob_key(conn: Conn, *, file_id: str, org_id: str) -> str | None:
     """The blob key of one of the organisation's files, None when there is no such file."""
     key: str | None = await conn.fetchval(FILE_BLOB_KEY, file_id, org_id)
@@ -309,3 +196,62 @@ async def add_training_usage(
 async def recorded_tokens(conn: Conn, *, job_id: str) -> int:
     """Trained tokens already metered for a job (earlier attempts)."""
     return int(await conn.fetchval(RECORDED_TOKENS, job_id))
+
+
+# -- the lease -------------------------------------------------------------------------------------------
+
+
+async def _revoke_keys(pool: asyncpg.Pool, row: StaleWork) -> None:
+    """Revoke the keys minted for a lost worker's trainers (a trainer dies with its worker; its key would
+    live on until it expires). Before the job is re-queued, so the key of its next attempt is never among
+    them."""
+    for key_id in await scoped.revoke_named(
+        pool, org_id=row.organization_id, kind="job", name=key_name(row.id)
+    ):
+        logger.info("job %s: revoked key %s of its lost worker %s", row.id, key_id, row.worker_id)
+
+
+def _give_up(row: StaleWork, settings: Settings) -> dict[str, Any]:
+    message = f"The job's worker was lost {row.attempts} times; giving up."
+    return {"code": "max_attempts_exceeded", "param": None, "message": message}
+
+
+async def _failed(conn: Conn, row: StaleWork, error: dict[str, Any]) -> None:
+    await store.add_event(
+        conn,
+        job_id=row.id,
+        org_id=row.organization_id,
+        level="error",
+        message=error["message"],
+        dedup_key="failed",
+    )
+
+
+async def _requeued(conn: Conn, row: StaleWork, generation: int) -> None:
+    resumes = " and will resume from its last checkpoint" if row.row["last_checkpoint"] else ""
+    await store.add_event(
+        conn,
+        job_id=row.id,
+        org_id=row.organization_id,
+        level="warn",
+        message=f"The job's worker stopped responding; the job was re-queued{resumes}",
+        dedup_key=f"requeued:{generation}",
+    )
+
+
+JOB_LEASE = Lease(
+    kind="job",
+    function=RUN_JOB,
+    claim=CLAIM,
+    heartbeat=BEAT,
+    release=RELEASE,
+    queued_unclaimed=QUEUED_UNCLAIMED,
+    stale=STALE,
+    fail_stale=FAIL_STALE,
+    give_up=_give_up,
+    requeue_own=REQUEUE_OWN,
+    requeue_stale=REQUEUE_STALE,
+    on_stale=_revoke_keys,
+    on_failed=_failed,
+    on_requeued=_requeued,
+)
