@@ -1,9 +1,15 @@
-"""``python -m inference --model tiny-chat=/path/to/model [--model ...] --port 8100``: run the engine."""
+"""``python -m inference --model tiny-chat=/path/to/model [--model ...] --port 8100``: run the engine.
+
+The flags ``--max-loras``, ``--max-batch-size``, ``--device`` and ``--max-model-len`` fill in the engine's
+``EngineOptions`` (the others keep their defaults); ``serve`` runs ``create_app(models, options)``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+
+from inference.options import EngineOptions
 
 logger = logging.getLogger(__name__)
 
@@ -12,22 +18,16 @@ def serve(
     models: dict[str, str],
     host: str = "127.0.0.1",
     port: int = 8100,
-    max_loras: int = 8,
+    options: EngineOptions | None = None,
     *,
-    max_batch_size: int = 16,
-    device: str = "auto",
     log_level: str = "info",
-    max_model_len: int | None = None,
 ) -> None:
-    """Serve ``models`` (name -> local directory) over HTTP until interrupted."""
+    """Serve ``models`` (name -> local directory) over HTTP until interrupted, as ``options`` say."""
     import uvicorn
 
     from inference.server import create_app
 
-    app = create_app(
-        models, max_loras=max_loras, max_batch_size=max_batch_size, device=device, max_model_len=max_model_len
-    )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(create_app(models, options), host=host, port=port, log_level=log_level)
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -48,13 +48,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", action="append", required=True, metavar="NAME=PATH", help="a base model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    parser.add_argument("--max-loras", type=int, default=8, help="resident adapters per base model")
-    parser.add_argument("--max-batch-size", type=int, default=16, help="rows in one batched generation")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1...")
+    defaults = EngineOptions()
+    parser.add_argument(
+        "--max-loras", type=int, default=defaults.max_loras, help="resident adapters per base model"
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=defaults.max_batch_size, help="rows in one batched generation"
+    )
+    parser.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1...")
     parser.add_argument(
         "--max-model-len",
         type=int,
-        default=None,
+        default=defaults.max_model_len,
         help="most tokens of prompt and completion in one request (default: each model's own context)",
     )
     parser.add_argument("--log-level", default="info")
@@ -66,16 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    serve(
-        models,
-        args.host,
-        args.port,
-        args.max_loras,
+    options = EngineOptions(
+        max_loras=args.max_loras,
         max_batch_size=args.max_batch_size,
         device=args.device,
-        log_level=args.log_level,
         max_model_len=args.max_model_len,
     )
+    serve(models, args.host, args.port, options, log_level=args.log_level)
 
 
 if __name__ == "__main__":

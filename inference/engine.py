@@ -19,13 +19,13 @@ the model lock, so a long generation does not hold the others back. Adapter load
 same lock between steps; adapters used by a running batch are pinned and never evicted.
 
 This module loads the model, checks and tokenizes prompts, queues and batches requests and keeps the
-adapters resident; the requests and the generation loop of the worker thread are ``inference.generation``.
+adapters resident; the requests and the generation loop of the worker thread (``BatchRunner``, which the
+engine makes with its model host, decoder, lock and stop ids) are ``inference.generation``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
 from collections import deque
@@ -34,7 +34,8 @@ from typing import Any
 
 from inference.adapters import Adapter, AdapterRegistry, LoraHost, read_adapter_config
 from inference.errors import BadRequestError, EngineError, ModelNotFoundError, NotFoundError
-from inference.generation import BatchGeneration, ChoiceEvent, GenerationRequest
+from inference.generation import BatchRunner, ChoiceEvent, GenerationRequest
+from inference.options import EngineOptions
 
 __all__ = ["INLINE_TOKENIZE_CHARS", "ChoiceEvent", "GenerationRequest", "ModelEngine"]
 
@@ -50,30 +51,20 @@ _VISIBLE_SPECIALS = frozenset(
 """Special tokens that are part of the output text (tool-call and reasoning markup), never hidden."""
 
 
-class ModelEngine(BatchGeneration):
-    """Serves one base model and the LoRA adapters attached to it."""
+class ModelEngine:
+    """Serves one base model and the LoRA adapters attached to it, as ``options`` say."""
 
-    def __init__(
-        self,
-        name: str,
-        path: str,
-        *,
-        max_loras: int = 8,
-        max_batch_size: int = 16,
-        device: str = "auto",
-        batch_window_s: float = 0.005,
-        max_concurrent_batches: int = 4,
-        default_max_tokens: int = 1024,
-        max_model_len: int | None = None,
-    ) -> None:
+    def __init__(self, name: str, path: str, options: EngineOptions | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        options = options if options is not None else EngineOptions()
         self.name = name
         self.path = path
-        self.max_batch_size = max_batch_size
-        self.batch_window_s = batch_window_s
-        self.default_max_tokens = default_max_tokens
+        self.max_batch_size = options.max_batch_size
+        self.batch_window_s = options.batch_window_s
+        self.default_max_tokens = options.default_max_tokens
+        device = options.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
@@ -82,15 +73,10 @@ class ModelEngine(BatchGeneration):
         model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model = model.to(device)
         model.eval()
-        self.config = model.config
-        # transformers 5 renamed the forward's ``past_key_values`` to ``cache``
-        params = inspect.signature(model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.host = LoraHost(model)
-        self.registry = AdapterRegistry(max_loras)
-        if max_model_len is not None and max_model_len < 1:
-            raise ValueError("max_model_len must be at least 1")
+        self.registry = AdapterRegistry(options.max_loras)
         own = int(getattr(model.config, "max_position_embeddings", 2048))
+        max_model_len = options.max_model_len
         self.max_context = min(own, max_model_len) if max_model_len is not None else own
         """Most tokens of prompt and completion in one request: the model's own context, or ``max_model_len``
         when that is less (as vLLM's ``--max-model-len``)."""
@@ -99,32 +85,38 @@ class ModelEngine(BatchGeneration):
         """No prompt longer than this fits the context: each token stands for at most
         ``longest_token_chars`` characters (for byte-level BPE its bytes, which a character takes one or
         more of)."""
-        self._stop_ids = self._collect_stop_ids(model)
+        stop_ids = self._collect_stop_ids(model)
         self._hidden_ids = {
             int(i)
             for i in self.tokenizer.all_special_ids
             if self.tokenizer.convert_ids_to_tokens(int(i)) not in _VISIBLE_SPECIALS
         }
-        pad = self.tokenizer.pad_token_id
-        self._pad_id = int(pad if pad is not None else next(iter(self._stop_ids), 0))
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(
-            max_workers=max_concurrent_batches + 1, thread_name_prefix=f"engine-{name}"
+            max_workers=options.max_concurrent_batches + 1, thread_name_prefix=f"engine-{name}"
         )
-        self._slots = asyncio.Semaphore(max_concurrent_batches)
+        self._slots = asyncio.Semaphore(options.max_concurrent_batches)
         self._waiting: deque[GenerationRequest] = deque()
         self._running: set[int] = set()
+        """Ids of the requests in a running batch (the runner drops each as its last choice ends)."""
+        self.runner = BatchRunner(
+            name,
+            self.host,
+            device=device,
+            decode=self.decode,
+            lock=self._lock,
+            stop_ids=stop_ids,
+            pad_id=int(pad if (pad := self.tokenizer.pad_token_id) is not None else next(iter(stop_ids), 0)),
+            running=self._running,
+        )
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.base_parameter_count = self.host.parameter_count()
-        self.batches_run = 0
-        self.largest_batch = 0
         self.adapter_loads = 0
         """Adapters loaded into the model so far (first loads, and reloads after an eviction)."""
         self.adapter_evictions = 0
         """Resident adapters evicted under the ``max_loras`` cap so far (unloads by name not counted)."""
-        self.tokens_generated = 0
         logger.info("engine %s: loaded %s on %s", name, path, device)
 
     def _collect_stop_ids(self, model: Any) -> set[int]:
@@ -230,11 +222,11 @@ class ModelEngine(BatchGeneration):
             "known_adapters": sorted(self.registry.known),
             "max_loras": self.registry.max_loras,
             "max_batch_size": self.max_batch_size,
-            "batches_run": self.batches_run,
-            "largest_batch": self.largest_batch,
+            "batches_run": self.runner.batches_run,
+            "largest_batch": self.runner.largest_batch,
             "adapter_loads": self.adapter_loads,
             "adapter_evictions": self.adapter_evictions,
-            "tokens_generated": self.tokens_generated,
+            "tokens_generated": self.runner.tokens_generated,
         }
 
     # ------------------------------------------------------------------ adapters
@@ -375,7 +367,7 @@ class ModelEngine(BatchGeneration):
             for req in batch:
                 self._running.add(req.id)
             try:
-                await loop.run_in_executor(self._pool, self._run_batch, batch)
+                await loop.run_in_executor(self._pool, self.runner.run, batch)
             finally:
                 for req in batch:
                     self._running.discard(req.id)

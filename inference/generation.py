@@ -1,23 +1,24 @@
 """The engine's requests and its worker-thread half: the token-by-token generation of one batch.
 
-A ``GenerationRequest`` carries a prompt to complete ``n`` times and an asyncio queue of ``ChoiceEvent``s. The
-batch that ``inference.engine.ModelEngine`` hands to a worker thread is prefilled once (left-padded prompts),
-then decoded step by step with a KV cache, calling the PEFT model with ``adapter_names`` so rows of different
-adapters (``"__base__"`` for none) share every forward pass. Each step samples every row with its own
-generator, detokenizes incrementally, applies stop strings, and pushes the new text to the request's queue,
-so streams see tokens as they come. Rows whose request was cancelled or that finished are dropped from the
-batch and its cache; the loop ends when no row is left.
+A ``GenerationRequest`` carries a prompt to complete ``n`` times and an asyncio queue of ``ChoiceEvent``s. A
+``BatchRunner`` runs the batch that ``inference.engine.ModelEngine`` hands to a worker thread: it is
+prefilled once (left-padded prompts), then decoded step by step with a KV cache, calling the PEFT model with
+``adapter_names`` so rows of different adapters (``"__base__"`` for none) share every forward pass. Each step
+samples every row with its own generator, detokenizes incrementally, applies stop strings, and pushes the
+new text to the request's queue, so streams see tokens as they come. Rows whose request was cancelled or
+that finished are dropped from the batch and its cache; the loop ends when no row is left.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from inference.adapters import BASE_ADAPTER, Adapter, LoraHost
 from inference.errors import EngineError
@@ -98,29 +99,49 @@ class _Row:
     done: bool = False
 
 
-class BatchGeneration:
-    """``ModelEngine``'s worker-thread half: runs one batch to its end (several batches interleave step by
-    step under the model lock). The engine sets the state below when it loads its model."""
+class BatchRunner:
+    """Runs one batch to its end on a worker thread: prefill, then one token a step for every row, each
+    row's new text sent to its request as it comes. Several batches may run at once on different threads;
+    they interleave step by step under ``lock``, which adapter loads and unloads take too.
 
-    name: str
-    device: str
-    config: Any
-    host: LoraHost
-    batches_run: int
-    largest_batch: int
-    tokens_generated: int
-    _lock: threading.RLock
-    _cache_kwarg: str
-    _stop_ids: set[int]
-    _pad_id: int
-    _running: set[int]
+    ``ModelEngine`` makes one when it loads its model and hands it what generation needs of the model: the
+    ``host`` whose model runs the steps, ``decode`` (token ids -> visible text), the ``lock``, the
+    ``stop_ids`` that end a choice, the ``pad_id`` of left-padded prompts, and ``running``, the ids of the
+    requests in a batch, from which a request is dropped as soon as its last choice ends.
+    """
 
-    if TYPE_CHECKING:
-
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+    def __init__(
+        self,
+        name: str,
+        host: LoraHost,
+        *,
+        device: str,
+        decode: Callable[[list[int]], str],
+        lock: threading.RLock,
+        stop_ids: set[int],
+        pad_id: int,
+        running: set[int],
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.device = device
+        self.decode = decode
+        self.lock = lock
+        self.stop_ids = stop_ids
+        self.pad_id = pad_id
+        self.running = running
+        self.config = host.base.config
+        # transformers 5 renamed the forward's ``past_key_values`` to ``cache``
+        params = inspect.signature(host.base.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.batches_run = 0
+        self.largest_batch = 0
+        self.tokens_generated = 0
 
     # ------------------------------------------------------------------ generation (worker thread)
-    def _run_batch(self, batch: list[GenerationRequest]) -> None:
+    def run(self, batch: list[GenerationRequest]) -> None:
+        """Generate every choice of ``batch`` (blocking: call on a worker thread); a failure ends each of
+        its requests with an ``EngineError``."""
         rows = [
             _Row(req=req, index=i, generator=make_generator(req.params.row_seed(i)))
             for req in batch
@@ -138,7 +159,7 @@ class BatchGeneration:
 
     def _forward(self, input_ids: Any, mask: Any, positions: Any, cache: Any, rows: list[_Row]) -> Any:
         kwargs: dict[str, Any] = {}
-        with self._lock:
+        with self.lock:
             if self.host.keys:
                 kwargs["adapter_names"] = [
                     r.req.adapter.key if r.req.adapter is not None else BASE_ADAPTER for r in rows
@@ -149,7 +170,7 @@ class BatchGeneration:
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1,
-                **{self._cache_kwarg: cache},
+                **{self.cache_kwarg: cache},
                 **kwargs,
             )
         return out.logits[:, -1, :].float().cpu()
@@ -160,7 +181,7 @@ class BatchGeneration:
 
         device = self.device
         width = max(len(r.req.prompt_ids) for r in rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             ids = row.req.prompt_ids
@@ -187,7 +208,7 @@ class BatchGeneration:
                     if row.done:
                         row.req._open_rows -= 1
                         if row.req._open_rows == 0:
-                            self._running.discard(row.req.id)
+                            self.running.discard(row.req.id)
                     else:
                         keep.append(i)
                         next_ids.append(tok)
@@ -218,7 +239,7 @@ class BatchGeneration:
         if lp is not None:
             row.pending_logprobs.append(lp)
         finish: str | None = None
-        if (token_id in self._stop_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if (token_id in self.stop_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             finish = "stop"
         else:
             row.ids.append(token_id)

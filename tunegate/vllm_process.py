@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Self
 
 from gateway.settings import Settings
+from inference.options import EngineOptions
 from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, vllm_command
 from tunegate.processes import Process
 from tunegate.role_processes import EngineProcess
@@ -120,6 +121,11 @@ def vllm_sizes(settings: Settings) -> dict[str, Any]:
     }
 
 
+def embedded_options(settings: Settings) -> EngineOptions:
+    """The `engine_*` settings as the embedded engine's options (the others keep the engine's defaults)."""
+    return EngineOptions(max_loras=settings.engine_max_loras, max_model_len=settings.engine_max_model_len)
+
+
 def choose_vllm(settings: Settings) -> tuple[VllmInstall | None, str]:
     """vLLM's install when the `engine` setting picks it, else `(None, why not)` (empty for `embedded`);
     `VllmUnavailable` for `engine=vllm` where it cannot run."""
@@ -163,12 +169,13 @@ def engine_processes(
     install, reason = choose_vllm(settings)
     if install is None:
         log = log_dir / "engine.log" if log_dir is not None else None
+        options = embedded_options(settings)
         embedded = EngineProcess(
             models,
             settings.engine_port,
             log,
-            max_loras=settings.engine_max_loras,
-            max_model_len=settings.engine_max_model_len,
+            max_loras=options.max_loras,
+            max_model_len=options.max_model_len,
             die_with_parent=die_with_parent,
         )
         return EngineChoice("embedded", [embedded], {n: embedded.url for n in models}, reason)
@@ -210,14 +217,7 @@ def serve_engine(settings: Settings, models: Mapping[str, str], host: str, port:
             file=sys.stderr,
             flush=True,
         )
-        serve(
-            dict(models),
-            host,
-            port,
-            settings.engine_max_loras,
-            max_model_len=settings.engine_max_model_len,
-            log_level=settings.log_level,
-        )
+        serve(dict(models), host, port, embedded_options(settings), log_level=settings.log_level)
         raise SystemExit(0)
     if len(models) != 1:
         raise ValueError(f"vLLM serves one base model a process, not {len(models)}: run one engine a model")

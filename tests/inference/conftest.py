@@ -39,19 +39,20 @@ class RunningServer:
 
     @property
     def engine(self) -> Any:
-        return self.app.state.router.engines[MODEL_NAME]
+        return self.app.state.models.engines[MODEL_NAME]
 
     def close(self) -> None:
         self.running.stop()
 
 
 def start_server(models: dict[str, str], **kwargs: Any) -> RunningServer:
-    """The embedded engine serving `models`, `kwargs` passed to `inference.server.create_app`."""
+    """The embedded engine serving `models` on the CPU, `kwargs` its other `EngineOptions`."""
     import uvicorn
 
+    from inference.options import EngineOptions
     from inference.server import create_app
 
-    app = create_app(models, device="cpu", **kwargs)
+    app = create_app(models, EngineOptions(device="cpu", **kwargs))
     config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
     return RunningServer(ServerThread(uvicorn.Server(config), "engine").start())
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from inference.engine import GenerationRequest, ModelEngine
+from inference.options import EngineOptions
 from inference.sampling import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40, 41]]
@@ -21,7 +22,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36], [40, 41]
 
 @pytest.fixture
 async def engine(tiny_model_dir: Path) -> AsyncIterator[ModelEngine]:
-    eng = ModelEngine("tiny-chat", str(tiny_model_dir), max_loras=2, device="cpu", batch_window_s=0.01)
+    eng = ModelEngine(
+        "tiny-chat", str(tiny_model_dir), EngineOptions(max_loras=2, device="cpu", batch_window_s=0.01)
+    )
     eng.start()
     yield eng
     await eng.stop()
@@ -51,13 +54,13 @@ async def test_mixed_adapter_batch_matches_single_runs(engine: ModelEngine, adap
     await asyncio.to_thread(engine.load_adapter, "b", str(adapter_dirs[1]))
     plan = [(PROMPTS[0], None), (PROMPTS[1], "a"), (PROMPTS[2], "b"), (PROMPTS[3], "a")]
     alone = [await _run_alone(engine, p, a, temperature=0.0) for p, a in plan]
-    batches_before = engine.batches_run
+    batches_before = engine.runner.batches_run
 
     reqs = [engine.submit(_request(engine, p, a, temperature=0.0)) for p, a in plan]
     together = [(await _collect(r))[0] for r in reqs]
 
-    assert engine.batches_run == batches_before + 1, "the four requests should share one batch"
-    assert engine.largest_batch >= 4
+    assert engine.runner.batches_run == batches_before + 1, "the four requests should share one batch"
+    assert engine.runner.largest_batch >= 4
     assert together == alone
     # the adapters really change the output of the same prompt
     same_prompt = [await _run_alone(engine, PROMPTS[0], a, temperature=0.0) for a in (None, "a", "b")]
@@ -166,7 +169,7 @@ async def test_client_disconnect_stops_generation(
                 break
             assert time.monotonic() < deadline, stats
             await asyncio.sleep(0.05)
-    assert server.engine.batches_run == 1
+    assert server.engine.runner.batches_run == 1
 
 
 def test_error_envelopes(engine_server: Any) -> None:

@@ -25,9 +25,10 @@ class EngineServer:
 
     @classmethod
     def start(cls, models: dict[str, str], *, max_loras: int = 4) -> EngineServer:
+        from inference.options import EngineOptions
         from inference.server import create_app
 
-        app = create_app(models, device="cpu", max_loras=max_loras)
+        app = create_app(models, EngineOptions(device="cpu", max_loras=max_loras))
         config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
         return cls(ServerThread(uvicorn.Server(config), "engine").start())
 
