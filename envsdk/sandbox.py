@@ -27,18 +27,17 @@ Every limit is the smaller of the package's ``[limits]`` and the operator's :cla
 The ``unshare`` backend (util-linux, as root) gives the same isolation where bubblewrap is missing; with
 neither, the sandbox refuses to start unless ``allow_unsandboxed=True`` (development only). Which backend
 works here, and what each needs to start a process, is :mod:`envsdk.sandbox_backends`; the host directories
-a sandbox leaves behind are :mod:`envsdk.sandbox_dirs`. Their public names are importable from here too.
+a sandbox leaves behind are :mod:`envsdk.sandbox_dirs`. Their public names are importable from here too. The
+JSON-lines channel to the process (framing, encoding, the stderr kept, why it died) is
+:mod:`envsdk.sandbox_channel`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import json
 import logging
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -46,8 +45,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from envsdk.errors import SandboxError
 from envsdk.manifest import Limits, Maxima, load_manifest
@@ -68,6 +65,7 @@ from envsdk.sandbox_backends import (
     probe_backend,
     sandbox_command,
 )
+from envsdk.sandbox_channel import EOF, Channel, decode_line
 from envsdk.sandbox_dirs import owned_tempdir, owned_workdir, remove_stale_dirs, remove_stale_once
 from envsdk.venvs import WHEELS_DIR, VenvBuilder, default_builder
 
@@ -88,30 +86,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_LINE = 64 * 1024 * 1024
-STDERR_KEEP = 16 * 1024
-_EOF = object()
-_STDLIB_ENCODE = json.JSONEncoder(separators=(",", ":")).encode
-_ORJSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE
-
-
-def _encode_line(message: Any) -> bytes:
-    """One request line. orjson on the host (the batch's encoding is most of a reward call's cost here);
-    what it refuses (integers beyond 64 bits, ...) goes through the standard library's encoder."""
-    try:
-        return orjson.dumps(message, option=_ORJSON_OPTIONS)
-    except TypeError:
-        return _STDLIB_ENCODE(message).encode() + b"\n"
-
-
-def _decode_line(line: bytes) -> Any:
-    """One answer line (the child writes it with the standard library; orjson reads it faster and the
-    standard library takes what orjson is stricter about, such as escaped lone surrogates)."""
-    try:
-        return orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return json.loads(line)
 
 
 def _child_setup(die_with_parent: bool) -> None:
@@ -167,9 +141,8 @@ class Sandbox:
         self.uid: int | None = None
         self.info: dict[str, Any] = {}
         self._proc: subprocess.Popen[bytes] | None = None
-        self._buffer = bytearray()
-        self._stderr: collections.deque[bytes] = collections.deque()
-        self._stderr_size = 0
+        self._channel: Channel | None = None
+        """The channel to the process last started (its stderr is kept after it ends)."""
         self._host_dir: Path | None = None
         self._lock = threading.Lock()
         self._next_id = 0
@@ -192,9 +165,7 @@ class Sandbox:
         self.uid = allocate_uid() if is_root() and backend != "none" else None
         cmd = sandbox_command(backend, self.package_dir, self.limits, host_dir, self.uid, self.venv)
         logger.debug("starting sandbox (%s) for %s", backend, self.entrypoint)
-        self._buffer = bytearray()
-        self._stderr.clear()
-        self._stderr_size = 0
+        self._channel = None
         try:
             self._proc = subprocess.Popen(
                 cmd,
@@ -211,7 +182,7 @@ class Sandbox:
         except OSError as exc:
             self.close()
             raise SandboxError("start_failed", f"cannot start the sandbox: {exc}") from exc
-        threading.Thread(target=self._read_stderr, args=(self._proc,), daemon=True).start()
+        self._channel = Channel(self._proc, self.entrypoint)
         params = {
             "entrypoint": self.entrypoint,
             "config": self.config,
@@ -282,70 +253,10 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- channel -----------------------------------------------------------------------------------
-    def _read_line(self, proc: subprocess.Popen[bytes], deadline: float) -> bytes | object | None:
-        """The channel's next line, read in the calling thread: ``None`` when ``deadline`` passes first,
-        ``_EOF`` when the process closed it, at most ``MAX_LINE`` bytes of a longer line."""
-        assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        buffer = self._buffer
-        start = 0
-        while True:
-            end = buffer.find(b"\n", start)
-            if end >= 0:
-                line = bytes(buffer[: end + 1])
-                del buffer[: end + 1]
-                return line
-            if len(buffer) >= MAX_LINE:
-                line = bytes(buffer[:MAX_LINE])
-                del buffer[:MAX_LINE]
-                return line
-            start = len(buffer)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                ready, _, _ = select.select([fd], [], [], remaining)
-                if not ready:
-                    return None
-                chunk = os.read(fd, 1 << 20)
-            except (OSError, ValueError):
-                return _EOF
-            if not chunk:
-                return _EOF
-            buffer += chunk
-
-    def _read_stderr(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stderr is not None
-        try:
-            for line in iter(lambda: proc.stderr.readline(8192), b""):  # type: ignore[union-attr]
-                logger.debug("sandbox[%s] %s", self.entrypoint, line.rstrip().decode(errors="replace"))
-                self._stderr.append(line)
-                self._stderr_size += len(line)
-                while self._stderr_size > STDERR_KEEP and len(self._stderr) > 1:
-                    self._stderr_size -= len(self._stderr.popleft())
-        except (OSError, ValueError):
-            pass
-
+    # -- calls -------------------------------------------------------------------------------------
     def stderr_tail(self, limit: int = 2000) -> str:
         """The last ``limit`` characters the sandbox wrote to stderr (user prints and tracebacks)."""
-        return b"".join(self._stderr).decode(errors="replace")[-limit:]
-
-    def _died(self, proc: subprocess.Popen[bytes]) -> SandboxError:
-        try:
-            rc = proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            rc = None
-        time.sleep(0.05)  # let the stderr reader catch the last lines
-        tail = self.stderr_tail()
-        sig = -rc if rc is not None and rc < 0 else (rc - 128 if rc is not None and rc > 128 else None)
-        if "MemoryError" in tail or "Cannot allocate memory" in tail:
-            code, what = "memory", "ran out of its memory limit"
-        elif sig == signal.SIGXCPU or (sig == signal.SIGKILL and "CPU" in tail):
-            code, what = "cpu_limit", "used up its CPU-time limit"
-        else:
-            code, what = "crashed", f"exited (status {rc})"
-        return SandboxError(code, f"environment process {what}; stderr: {tail.strip()[-1000:] or '(empty)'}")
+        return self._channel.stderr_tail(limit) if self._channel is not None else ""
 
     def call(self, method: str, params: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
         """One request/response round trip. Raises :class:`SandboxError` (the process is killed on
@@ -393,31 +304,29 @@ class Sandbox:
 
     def _round_trip(self, method: str, params: dict[str, Any] | None, timeout: float | None) -> Any:
         with self._lock:
-            proc = self._proc
-            if proc is None or proc.stdin is None:
+            channel = self._channel
+            if self._proc is None or channel is None:
                 raise SandboxError("not_running", "the sandbox is not running; call start()")
             self._next_id += 1
             rid = self._next_id
-            request = _encode_line({"id": rid, "method": method, "params": params or {}})
             try:
-                proc.stdin.write(request)
-                proc.stdin.flush()
+                channel.write({"id": rid, "method": method, "params": params or {}})
             except (BrokenPipeError, OSError):
-                error = self._died(proc)
+                error = channel.died()
                 self.close()
                 raise error from None
             allowed = self._allowed_s(timeout)
-            line = self._read_line(proc, time.monotonic() + allowed)
+            line = channel.read_line(time.monotonic() + allowed)
             if line is None:
                 self.close()
                 raise SandboxError("timeout", f"{method} did not answer within {allowed:g} s") from None
-            if line is _EOF:
-                error = self._died(proc)
+            if line is EOF:
+                error = channel.died()
                 self.close()
                 raise error
             assert isinstance(line, bytes)
             try:
-                response = _decode_line(line)
+                response = decode_line(line)
                 if not isinstance(response, dict) or response.get("id") != rid:
                     raise ValueError(f"expected a response to request {rid}")
             except ValueError as exc:
