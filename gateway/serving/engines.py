@@ -3,7 +3,8 @@
 Routing: each base model has one or more engine base URLs. A request for an adapter goes to an engine that
 already holds it (least in-flight among those); otherwise, and for base-model requests, to the engine with
 the fewest requests in flight, ties broken round robin. An engine that refused a connection is tried last
-for a few seconds.
+for a few seconds. What this gateway knows of each engine (requests in flight, adapter versions loaded and
+running) and the order to try them in is `gateway.serving.upstreams`.
 
 Adapters go onto engines through vLLM's runtime LoRA endpoints (`AdapterLoader`, one httpx client), named by
 their version ids (`gateway.serving.versions`), never by the names users call. The
@@ -16,12 +17,11 @@ its `adapter_config.json`; an engine's refusal is mapped in `gateway.serving.eng
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +31,16 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from gateway.errors import APIError, ServiceUnavailable
-from gateway.serving.engine_client import EngineClient, make_client
+from gateway.serving.engine_client import make_client
 from gateway.serving.engine_errors import AdapterRankTooLarge, adapter_load_error
 from gateway.serving.model_limits import ModelLimits, read_limits
+from gateway.serving.upstreams import Residency, Upstream, UpstreamPool
 from gateway.serving.versions import adapter_version, path_version
 from gateway.settings import Settings
 from gateway.singleflight import SingleFlight
 
 logger = logging.getLogger(__name__)
 
-DOWN_FOR_S = 5.0
 HELD_TIMEOUT_S = 2.0
 """How long the models API waits for an engine to say which adapters it holds."""
 DRAIN_TIMEOUT_S = 60.0
@@ -196,100 +196,6 @@ async def _everywhere(
 
     await asyncio.gather(*(one(u) for u in urls))
     return out
-
-
-@dataclass(eq=False)
-class Upstream:
-    """One engine base URL (without `/v1`)."""
-
-    url: str
-    in_flight: int = 0
-    loaded: set[str] = field(default_factory=set)
-    """Adapter versions this gateway knows the engine holds (loaded by it, or found loaded already)."""
-    down_until: float = 0.0
-    running: dict[str, int] = field(default_factory=dict)
-    """Requests of this gateway in flight on the engine, per adapter version."""
-    last_used: dict[str, float] = field(default_factory=dict)
-    """Unix time a request last started on each adapter version here."""
-    load_s: dict[str, float] = field(default_factory=dict)
-    """Seconds the latest load of each adapter version here took (kept until the gateway unloads it: a
-    load of a version found here is a reload, the engine having lost it)."""
-    _drained: dict[str, asyncio.Event] = field(default_factory=dict, repr=False)
-    http: EngineClient = field(init=False, repr=False)
-    """The keep-alive connections proxied requests use."""
-
-    def __post_init__(self) -> None:
-        self.http = EngineClient(self.url)
-
-    def mark_down(self) -> None:
-        self.down_until = time.monotonic() + DOWN_FOR_S
-
-    def acquire(self, version: str | None) -> None:
-        """One more request in flight here (on adapter `version`, or the base model when None)."""
-        self.in_flight += 1
-        if version is not None:
-            self.running[version] = self.running.get(version, 0) + 1
-            self.last_used[version] = time.time()
-
-    def release(self, version: str | None) -> None:
-        """That request ended; an unload waiting for the version's last request is let go."""
-        self.in_flight -= 1
-        if version is not None:
-            left = self.running.get(version, 1) - 1
-            if left > 0:
-                self.running[version] = left
-                return
-            self.running.pop(version, None)
-            event = self._drained.pop(version, None)
-            if event is not None:
-                event.set()
-
-    async def drained(self, version: str) -> None:
-        """Wait until no request of this gateway runs on `version` here."""
-        if self.running.get(version):
-            await self._drained.setdefault(version, asyncio.Event()).wait()
-
-    def forget(self, version: str) -> None:
-        """The gateway unloads `version` here."""
-        self.loaded.discard(version)
-        self.last_used.pop(version, None)
-        self.load_s.pop(version, None)
-
-
-@dataclass(frozen=True, slots=True)
-class Residency:
-    """What this gateway knows of one adapter version on one engine of its base model."""
-
-    engine: int
-    """The engine's index among its base model's engines (their URLs are not shown to tenants)."""
-    loaded: bool
-    last_used: int | None
-    """Unix time a request last started on it here."""
-    load_s: float | None
-    """Seconds its latest load here took."""
-
-
-class UpstreamPool:
-    """The engines serving one base model."""
-
-    def __init__(self, base_model: str, urls: list[str]) -> None:
-        self.base_model = base_model
-        self.upstreams = [Upstream(u) for u in urls]
-        self._turn = itertools.count()
-
-    def candidates(self, adapter: str | None) -> list[Upstream]:
-        """Engines in the order to try them for a request (for adapter version `adapter`, or the base model
-        when None)."""
-        n = len(self.upstreams)
-        if n == 0:
-            return []
-        start = next(self._turn) % n
-        rotated = self.upstreams[start:] + self.upstreams[:start]
-        now = time.monotonic()
-        return sorted(
-            rotated,
-            key=lambda u: (u.down_until > now, adapter is not None and adapter not in u.loaded, u.in_flight),
-        )
 
 
 class Engines:

@@ -23,9 +23,10 @@ from gateway.limits.guard import Admission
 from gateway.serving import targets
 from gateway.serving.engine_client import UpstreamBroken, UpstreamResponse, UpstreamUnreachable
 from gateway.serving.engine_errors import engine_error
-from gateway.serving.engines import Target, Upstream
+from gateway.serving.engines import Target
 from gateway.serving.protocol import ProxyRequest, StreamRewriter, error_event, rewrite_response
 from gateway.serving.tokens import estimate_prompt_tokens, requested_max_tokens
+from gateway.serving.upstreams import Upstream
 from gateway.tenancy.keys import Principal
 
 logger = logging.getLogger(__name__)

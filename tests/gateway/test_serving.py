@@ -356,7 +356,7 @@ def test_bad_body_is_a_400(org: Tenant, gw: GatewayServer) -> None:
 
 
 def test_engine_choice_spreads_load_and_keeps_adapters_where_loaded() -> None:
-    from gateway.serving.engines import UpstreamPool
+    from gateway.serving.upstreams import UpstreamPool
 
     pool = UpstreamPool(BASE, ["http://a", "http://b", "http://c"])
     firsts = {pool.candidates(None)[0].url for _ in range(3)}
