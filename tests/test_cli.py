@@ -33,15 +33,14 @@ from tunegate.follow import follow_job
 from tunegate.plot import resample, save_curve, save_curves, sparkline
 from tunegate.quickstart import (
     EXAMPLE_ENV,
-    QuickstartReport,
     create_tenant,
     environment_method,
-    print_summary,
     question_of,
     read_tasks,
     stack_ready,
     upload_environment,
 )
+from tunegate.quickstart_report import QuickstartReport, print_summary
 
 
 def _cli(

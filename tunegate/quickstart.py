@@ -8,7 +8,8 @@ with the default hyperparameters and live progress. Then it measures what traini
 Evals API) scores the base model and the fine-tuned model on held-out problems that training never saw, and
 it prints
 `held-out exact answers: base X% -> fine-tuned Y%`, a table of answers, and the train and validation reward
-curves (in the terminal, and as a PNG in the data dir). Any failure stops the tour with its cause.
+curves (in the terminal, and as a PNG in the data dir), then where everything lives: what the run found and
+how it is told is `tunegate.quickstart_report`. Any failure stops the tour with its cause.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import re
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -28,6 +28,13 @@ import httpx
 from gateway.settings import Settings
 from tunegate.client import provision_tenant, root_url
 from tunegate.processes import Process
+from tunegate.quickstart_report import (
+    BASE_MODEL,
+    QuickstartReport,
+    print_heldout,
+    print_summary,
+    show_rewards,
+)
 
 if TYPE_CHECKING:
     import openai
@@ -39,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_ENV = REPO_ROOT / "examples" / "envs" / "arithmetic"
-BASE_MODEL = "tiny-chat"
 READY_TIMEOUT_S = 300.0
 EXACT = {
     "type": "string_check",
@@ -175,35 +181,6 @@ def question_of(task: dict[str, Any]) -> str:
 # ---- the tour ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class QuickstartReport:
-    """Where everything lives after a quickstart run, and what training did."""
-
-    data_dir: Path
-    base_url: str
-    org_id: str = ""
-    api_key: str = ""
-    job_id: str = ""
-    fine_tuned_model: str | None = None
-    rewards: list[float] = field(default_factory=list)
-    """Mean training reward per step."""
-    valid_rewards: list[float] = field(default_factory=list)
-    """Mean validation reward (greedy answers to the held-out problems) at each evaluation, step 0 first."""
-    eval_id: str = ""
-    base_exact: float = 0.0
-    """Share of held-out problems the base model answers exactly."""
-    tuned_exact: float = 0.0
-    """Share of held-out problems the fine-tuned model answers exactly."""
-    png: Path | None = None
-    answers: list[tuple[str, str, str, str]] = field(default_factory=list)
-    """(question, right answer, base answer, fine-tuned answer) per held-out problem."""
-    started_stack: bool = False
-    engine: str = ""
-    """What serves the base model and how to choose the other engine (a stack started here only)."""
-    stack_start_s: float = 0.0
-    """Seconds from starting the stack to its being ready (a stack started here only)."""
-
-
 def _train(
     client: openai.OpenAI,
     console: Console,
@@ -315,10 +292,6 @@ def run_tour(
     job_timeout_s: float = 900.0,
 ) -> QuickstartReport:
     """Upload, train with the environment, compare base and fine-tuned on held-out problems, draw curves."""
-    from rich.table import Table
-
-    from tunegate.plot import save_curves, sparkline
-
     tasks, heldout_path = env_dir / "tasks.jsonl", env_dir / "heldout.jsonl"
     heldout = read_tasks(heldout_path)
     training_file = upload_tasks(client, tasks)
@@ -345,69 +318,9 @@ def run_tour(
 
     console.rule("held-out problems (never trained on)")
     compare_on_heldout(client, report, heldout)
-    table = Table("question", "answer", BASE_MODEL, "fine-tuned")
-    for row in report.answers[:10]:
-        table.add_row(*row)
-    console.print(table)
-    console.print(
-        f"[bold]held-out exact answers: base {report.base_exact:.0%} -> fine-tuned {report.tuned_exact:.0%}"
-        "[/bold]",
-        highlight=False,
-    )
-
-    steps, report.rewards = result.series("reward_mean")
-    valid_steps, report.valid_rewards = result.series("valid_reward_mean")
-    if report.rewards:
-        console.rule("reward per step")
-        console.print(
-            f"train      {report.rewards[0]:.3f} {sparkline(report.rewards)} {report.rewards[-1]:.3f}",
-            highlight=False,
-        )
-        if report.valid_rewards:
-            console.print(
-                f"validation {report.valid_rewards[0]:.3f} {sparkline(report.valid_rewards)} "
-                f"{report.valid_rewards[-1]:.3f}",
-                highlight=False,
-            )
-        report.png = save_curves(
-            [
-                ("train (sampled)", steps, report.rewards),
-                ("held-out (greedy)", valid_steps, report.valid_rewards),
-            ],
-            report.data_dir / "quickstart" / "reward.png",
-            title=(
-                f"{BASE_MODEL} learns arithmetic: held-out exact {report.base_exact:.0%} -> "
-                f"{report.tuned_exact:.0%}"
-            ),
-            ylabel="mean reward",
-        )
+    print_heldout(console, report)
+    show_rewards(console, report, result)
     return report
-
-
-def print_summary(console: Console, report: QuickstartReport, keep_running: bool) -> None:
-    """Where everything lives."""
-    lines = [
-        f"data dir:         {report.data_dir}",
-        f"admin key file:   {report.data_dir / 'admin_key'}",
-        f"gateway:          {report.base_url}",
-        f"organisation:     {report.org_id}",
-        f"API key:          {report.api_key}",
-        f"job:              {report.job_id}",
-        f"fine-tuned model: {report.fine_tuned_model}",
-        f"held-out eval:    {report.eval_id}",
-    ]
-    if report.png is not None:
-        lines.append(f"reward curves:    {report.png}")
-    if report.engine:
-        lines.append(f"engine:           {report.engine}")
-    if report.started_stack:
-        lines.append(f"stack log:        {report.data_dir / 'stack.log'}")
-        lines.append("the stack is still running" if keep_running else "the stack was stopped")
-    console.rule("where everything lives")
-    console.print("\n".join(lines), highlight=False)
-    if report.job_id:  # last, on one line however narrow: the job in the browser (sign in with the API key)
-        url = f"{root_url(report.base_url)}/dashboard/jobs/{report.job_id}"
-        console.print(f"dashboard:        {url}", highlight=False, soft_wrap=True)
 
 
 def run_quickstart(
