@@ -14,6 +14,11 @@ an organisation it changes.
 Every admitted completion carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers:
 the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
 the effective limits as both limit and remaining).
+
+Size: over 450 lines, and left whole: its parts are split already (the Redis buckets in `buckets`, the
+in-memory leases in `leases`, the budget holds in `holds`), and what stays is one request path, `admit` and
+`settle`, over the caches, flights and background work they share; cutting it would hand one class's state
+to another module.
 """
 
 from __future__ import annotations
