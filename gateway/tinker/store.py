@@ -6,8 +6,8 @@ sampler id that is taken already is not an error here: `create_model` and `creat
 False) and the service answers it as the caller's mistake. The holder side also exports the models' lease
 (`MODEL_LEASE`, `gateway.work.lease`).
 
-Over 450 lines because it holds the SQL of all five Tinker tables, each section small; the seam when it
-grows is the holder side (claim, beat, release, hand back, the lease) apart from the API side.
+Size: over 450 lines, and left whole: it holds the SQL of all five Tinker tables, each section small; the
+seam when it grows is the holder side (claim, beat, release, hand back, the lease) apart from the API side.
 """
 
 from __future__ import annotations
