@@ -23,6 +23,7 @@ import httpx
 
 from bench.common import Options, cores, fmt, ratio
 from bench.stack import make_tenant, rig
+from gateway.db import Conn
 from gateway.jobs import store as jobs_store
 
 logger = logging.getLogger(__name__)
@@ -30,41 +31,48 @@ logger = logging.getLogger(__name__)
 STEPS = 10_000
 
 
+async def job_with_metrics(db: Conn, org_id: str, points: list[dict[str, Any]]) -> str:
+    """A supervised job of `org_id` on tiny-chat with `points` as its metrics events, written through the
+    jobs store as the worker writes them; returns its id. The JSONB codec must be set on `db`."""
+    method = {"type": "supervised", "supervised": {"hyperparameters": {"max_steps": len(points)}}}
+    job = await jobs_store.insert(
+        db,
+        org_id=org_id,
+        api_key_id=None,
+        model="tiny-chat",
+        training_file="file-bench",
+        validation_file=None,
+        method=method,
+        seed=1,
+        suffix=None,
+        metadata=None,
+        integrations=None,
+        idempotency_key=None,
+        request_hash=None,
+    )
+    await jobs_store.add_metric_events(db, job_id=job.id, org_id=org_id, points=points)
+    return str(job.id)
+
+
 async def _job_with_metrics(dsn: str, org_id: str, steps: int) -> str:
-    """A finished job of `org_id` with `steps` metrics events; returns its id."""
+    """A job of `org_id` with `steps` metrics events (train loss, reward, KL, completion length, learning
+    rate at every step); returns its id."""
+    points = [
+        {
+            "step": step,
+            "total_steps": steps,
+            "train_loss": 2.0 / (1 + step / 500),
+            "reward_mean": step / steps,
+            "kl": 0.01 * (step % 97) / 97,
+            "completion_length_mean": 40 + step % 13,
+            "learning_rate": 1e-4,
+        }
+        for step in range(1, steps + 1)
+    ]
     conn = await asyncpg.connect(dsn)
     try:
         await conn.set_type_codec("jsonb", encoder=json.dumps, decoder=json.loads, schema="pg_catalog")
-        method = {"type": "supervised", "supervised": {"hyperparameters": {"max_steps": steps}}}
-        job = await jobs_store.insert(
-            conn,
-            org_id=org_id,
-            api_key_id=None,
-            model="tiny-chat",
-            training_file="file-bench",
-            validation_file=None,
-            method=method,
-            seed=1,
-            suffix=None,
-            metadata=None,
-            integrations=None,
-            idempotency_key=None,
-            request_hash=None,
-        )
-        points = [
-            {
-                "step": step,
-                "total_steps": steps,
-                "train_loss": 2.0 / (1 + step / 500),
-                "reward_mean": step / steps,
-                "kl": 0.01 * (step % 97) / 97,
-                "completion_length_mean": 40 + step % 13,
-                "learning_rate": 1e-4,
-            }
-            for step in range(1, steps + 1)
-        ]
-        await jobs_store.add_metric_events(conn, job_id=job.id, org_id=org_id, points=points)
-        return str(job.id)
+        return await job_with_metrics(conn, org_id, points)
     finally:
         await conn.close()
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from bench.dashboard import job_with_metrics
 from gateway.dashboard import store
 from gateway.db import create_pool
 from gateway.ids import new_id
@@ -25,24 +26,7 @@ async def pool(stack: GatewayServer) -> AsyncIterator[asyncpg.Pool]:
 
 
 async def _job(pool: asyncpg.Pool, org_id: str, steps: int) -> str:
-    job = await jobs_store.insert(
-        pool,
-        org_id=org_id,
-        api_key_id=None,
-        model="tiny-chat",
-        training_file="file-none",
-        validation_file=None,
-        method={"type": "supervised", "supervised": {"hyperparameters": {}}},
-        seed=1,
-        suffix=None,
-        metadata=None,
-        integrations=None,
-        idempotency_key=None,
-        request_hash=None,
-    )
-    points = [{"step": s} for s in range(1, steps + 1)]
-    await jobs_store.add_metric_events(pool, job_id=job.id, org_id=org_id, points=points)
-    return str(job.id)
+    return await job_with_metrics(pool, org_id, [{"step": s} for s in range(1, steps + 1)])
 
 
 async def test_long_jobs_are_thinned_in_the_query(pool: asyncpg.Pool) -> None:
