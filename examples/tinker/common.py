@@ -1,4 +1,7 @@
-"""What both Tinker loops share: the arithmetic problems, the chat prompt as tokens, and held-out scoring.
+"""What the Tinker examples share. The two loops (`sft_loop.py`, `rl_loop.py`): their settings and results,
+the training client, the arithmetic problems, the chat prompt as tokens, held-out scoring and the command
+line. The two tinker-cookbook drivers (`cookbook_sl.py`, `cookbook_rl.py`): the server's tokenizer and how
+a cookbook loop is run from the command line.
 
 The problems are the arithmetic example's (`examples/envs/arithmetic`): 70 single-digit additions to train
 on and 30 held out, asked as "What is 3 + 4? Reply with the number only.". Rewards come from that
@@ -7,15 +10,70 @@ environment's own `ArithmeticEnv` (1.0 for exactly the answer, 0.5 for the right
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import importlib.util
 import json
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tinker
 from tinker import types
 
 ARITHMETIC = Path(__file__).resolve().parents[1] / "envs" / "arithmetic"
+
+
+@dataclass
+class LoopConfig:
+    """The settings of both loops; each loop's `Config` sets its own defaults and adds its own."""
+
+    base_model: str = "tiny-chat"
+    rank: int = 8
+    """LoRA rank."""
+    learning_rate: float = 1e-3
+    steps: int = 10
+    batch: int = 8
+    """Problems per step."""
+    seed: int = 0
+    base_url: str | None = None
+    """The server (else `TINKER_BASE_URL`)."""
+    api_key: str | None = None
+    """The key (else `TINKER_API_KEY`)."""
+
+
+@dataclass
+class LoopResult:
+    """Held-out reward before and after training; each loop's `Result` adds what its steps measured."""
+
+    heldout_before: float
+    heldout_after: float
+
+
+@contextmanager
+def lora_training(config: LoopConfig) -> Iterator[tinker.TrainingClient]:
+    """A LoRA training client of `config`'s base model, rank and seed. Leaving the block finishes the
+    session: the server saves the model and frees its training slot at once, rather than after the idle
+    timeout."""
+    with tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key) as service:
+        yield service.create_lora_training_client(
+            base_model=config.base_model, rank=config.rank, seed=config.seed
+        )
+
+
+ConfigT = TypeVar("ConfigT", bound=LoopConfig)
+
+
+def loop_cli(main: Callable[[ConfigT], Any], config: type[ConfigT], doc: str) -> None:
+    """A loop's command line: `--steps N`, everything else at the loop's defaults."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument(
+        "--steps", type=int, default=config.steps, help="training steps (default: %(default)s)"
+    )
+    main(config(steps=parser.parse_args().steps))
 
 
 def problems(name: str) -> list[dict[str, Any]]:
@@ -80,3 +138,26 @@ def register_server_tokenizer(base_url: str | None, model_name: str) -> str | No
             tokenizer_utils.register_tokenizer(model_name, load)
             return tokenizer_id
     return None
+
+
+def run_cookbook(train_main: Callable[[Any], Awaitable[None]], config: Any) -> None:
+    """Run a tinker-cookbook training loop (`supervised.train.main`, `rl.train.main`) with its `config`,
+    the server's tokenizer registered for the model first."""
+    from tinker_cookbook import cli_utils
+
+    register_server_tokenizer(config.base_url, config.model_name)
+    # Avoid clobbering log dir from your previous run:
+    cli_utils.check_log_dir(config.log_path, behavior_if_exists="ask")
+    asyncio.run(train_main(config))
+
+
+def cookbook_cli(
+    build_config_blueprint: Callable[[str], Any], main: Callable[[Any], None], model: str
+) -> None:
+    """A cookbook driver's command line: `key=value` for any field of the cookbook's `Config`, `model_name`
+    (default `model`) resolved first so that the data's tokenizer follows it."""
+    from tinker_cookbook import cli_utils
+
+    blueprint = build_config_blueprint(cli_utils.model_name_from_argv(sys.argv[1:], default=model))
+    blueprint.make_from_argv(sys.argv[1:])
+    main(blueprint.make())

@@ -20,7 +20,6 @@ Any field of `tinker_cookbook.rl.train.Config` can be set the same way (`learnin
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import re
@@ -38,7 +37,7 @@ from tinker_cookbook.rl.types import EnvGroupBuilder, RLDataset, RLDatasetBuilde
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ARITHMETIC, register_server_tokenizer  # noqa: E402
+from common import ARITHMETIC, cookbook_cli, run_cookbook  # noqa: E402
 
 MODEL_NAME = "tiny-chat"
 RENDERER_NAME = "qwen3_instruct"
@@ -148,14 +147,8 @@ def build_config_blueprint(model_name: str = MODEL_NAME) -> chz.Blueprint[train.
 
 
 def main(config: train.Config) -> None:
-    register_server_tokenizer(config.base_url, config.model_name)
-    # Avoid clobbering log dir from your previous run:
-    cli_utils.check_log_dir(config.log_path, behavior_if_exists="ask")
-    asyncio.run(train.main(config))
+    run_cookbook(train.main, config)
 
 
 if __name__ == "__main__":
-    # Resolve model_name first so the environment's tokenizer follows it.
-    blueprint = build_config_blueprint(cli_utils.model_name_from_argv(sys.argv[1:], default=MODEL_NAME))
-    blueprint.make_from_argv(sys.argv[1:])
-    main(blueprint.make())
+    cookbook_cli(build_config_blueprint, main, MODEL_NAME)

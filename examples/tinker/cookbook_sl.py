@@ -18,7 +18,6 @@ Any field of `tinker_cookbook.supervised.train.Config` can be set the same way (
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import register_server_tokenizer  # noqa: E402
+from common import cookbook_cli, run_cookbook  # noqa: E402
 
 MODEL_NAME = "tiny-chat"
 RENDERER_NAME = "qwen3_instruct"
@@ -67,14 +66,8 @@ def build_config_blueprint(model_name: str = MODEL_NAME) -> chz.Blueprint[train.
 
 
 def main(config: train.Config) -> None:
-    register_server_tokenizer(config.base_url, config.model_name)
-    # Avoid clobbering log dir from your previous run:
-    cli_utils.check_log_dir(config.log_path, behavior_if_exists="ask")
-    asyncio.run(train.main(config))
+    run_cookbook(train.main, config)
 
 
 if __name__ == "__main__":
-    # Resolve model_name first so the dataset's tokenizer follows it.
-    blueprint = build_config_blueprint(cli_utils.model_name_from_argv(sys.argv[1:], default=MODEL_NAME))
-    blueprint.make_from_argv(sys.argv[1:])
-    main(blueprint.make())
+    cookbook_cli(build_config_blueprint, main, MODEL_NAME)

@@ -13,51 +13,44 @@ before and after.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tinker
 from tinker import types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arithmetic_env, heldout_reward, problems, prompt_tokens  # noqa: E402
+from common import (  # noqa: E402
+    LoopConfig,
+    LoopResult,
+    arithmetic_env,
+    heldout_reward,
+    loop_cli,
+    lora_training,
+    problems,
+    prompt_tokens,
+)
 
 
 @dataclass
-class Config:
-    base_model: str = "tiny-chat"
-    rank: int = 8
-    """LoRA rank."""
+class Config(LoopConfig):
     learning_rate: float = 5e-4
     steps: int = 24
     batch: int = 4
-    """Problems per step."""
     group: int = 8
     """Answers sampled per problem."""
     max_tokens: int = 12
-    seed: int = 0
-    base_url: str | None = None
-    api_key: str | None = None
 
 
 @dataclass
-class Result:
-    heldout_before: float
-    heldout_after: float
+class Result(LoopResult):
     train_reward: list[float] = field(default_factory=list)
     """Mean sampled reward of each step."""
 
 
 def main(config: Config) -> Result:
-    # Leaving the block finishes the session: the server saves the model and frees its training slot at
-    # once, rather than after the idle timeout.
-    with tinker.ServiceClient(base_url=config.base_url, api_key=config.api_key) as service:
-        tc = service.create_lora_training_client(
-            base_model=config.base_model, rank=config.rank, seed=config.seed
-        )
+    with lora_training(config) as tc:
         tokenizer = tc.get_tokenizer()
         env = arithmetic_env()
         train, heldout = problems("tasks.jsonl"), problems("heldout.jsonl")
@@ -111,8 +104,4 @@ def main(config: Config) -> Result:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--steps", type=int, default=Config.steps, help="training steps (default: %(default)s)"
-    )
-    main(Config(steps=parser.parse_args().steps))
+    loop_cli(main, Config, __doc__)
