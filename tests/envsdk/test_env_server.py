@@ -41,6 +41,7 @@ from tests.trainer.conftest import make_spec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.run import read_spec
+from trainer.spec import TrainerSpec
 from tunegate.role_processes import EnvServerProcess
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"
@@ -133,6 +134,27 @@ def start_servers(services: Services, tmp_path: Path, pool: str, sandbox_backend
             server.kill()
 
 
+Remote = Callable[..., RemoteSandbox]
+
+
+@pytest.fixture
+def remote() -> Iterator[Remote]:
+    """`RemoteSandbox`es, as a trainer with grant `granted` makes them (`job_id`: the job it names, else the
+    grant's); closed after the test."""
+    made: list[RemoteSandbox] = []
+
+    def make(granted: PoolGrant, package: Path, job_id: str | None = None) -> RemoteSandbox:
+        box = RemoteSandbox(
+            granted.url, package, org=granted.org_id, pool=granted.pool, job_id=job_id or granted.job_id
+        )
+        made.append(box)
+        return box
+
+    yield make
+    for box in made:
+        box.close()
+
+
 def write_package(root: Path, name: str, code: str) -> Path:
     """A package `name` under `root` whose `env.py` is `code` (entrypoint `env:Env`)."""
     package = root / name
@@ -146,6 +168,34 @@ def trainer_uses_pool(monkeypatch: pytest.MonkeyPatch, granted: PoolGrant) -> No
     """What a worker tells an environment job's trainer: its Redis user, the pool and its organisation."""
     for name, value in granted.env.items():
         monkeypatch.setenv(name, value)
+
+
+PooledSpec = Callable[..., TrainerSpec]
+
+
+@pytest.fixture
+def pooled_spec(
+    grant: Grant, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path
+) -> PooledSpec:
+    """The spec of `ORG`'s environment job `job_id` on `package` over `rows` (with `hyperparameters`), its
+    grant of the test's pool given to the trainer as a worker gives it (`trainer_uses_pool`)."""
+
+    def make(job_id: str, package: Path, rows: list[dict[str, Any]], **hyperparameters: Any) -> TrainerSpec:
+        trainer_uses_pool(monkeypatch, grant(ORG, job_id))
+        environment = {"package_dir": str(package), "config": {}}
+        return read_spec(
+            make_spec(
+                tmp_path,
+                tiny_model_dir,
+                "reinforcement",
+                rows,
+                environment=environment,
+                hyperparameters=hyperparameters,
+                job_id=job_id,
+            )
+        )
+
+    return make
 
 
 def guess_task() -> dict[str, Any]:
@@ -163,28 +213,25 @@ def play(box: Any, guesses: list[str]) -> list[Any]:
 
 
 def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
-    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
+    start_servers: Start, grant: Grant, remote: Remote, pool: str, redis_client: redis.Redis
 ) -> None:
     servers = start_servers(2)
-    granted = grant(ORG, "ftjob-resume")
-    remote = RemoteSandbox(granted.url, EXAMPLES / "guess_number", org=ORG, pool=pool, job_id="ftjob-resume")
-    local = Sandbox(EXAMPLES / "guess_number")
+    box = remote(grant(ORG, "ftjob-resume"), EXAMPLES / "guess_number")
     guesses = ["10", "5", "1", "3"]  # the target is 3: the fourth turn ends the episode
-    try:
-        remote.start()
-        local.start()
-        episode = remote.call("reset", {"task": guess_task()})["episode_id"]
+    box.start()
+    with Sandbox(EXAMPLES / "guess_number") as local:
+        episode = box.call("reset", {"task": guess_task()})["episode_id"]
         steps = []
         for i, guess in enumerate(guesses):
             if i == 2:  # two turns done: the server holding the episode dies
-                holder = remote._episodes[episode].server
+                holder = box._episodes[episode].server
                 servers[holder].kill()
             message = {"role": "assistant", "content": guess}
-            steps.append(remote.call("step", {"episode_id": episode, "assistant_message": message}))
+            steps.append(box.call("step", {"episode_id": episode, "assistant_message": message}))
         # the same turns in a sandbox of our own: the episode went on from its second turn, none played twice
         # (the reward counts the turns)
         assert steps == play(local, guesses) and steps[-1]["done"] and steps[-1]["reward"] > 0
-        assert remote.retries == 1 and holder not in live_servers(redis_client, pool)
+        assert box.retries == 1 and holder not in live_servers(redis_client, pool)
         # the episode's state in Redis: its task and each completed turn once, in order
         task, turns = episode_state(redis_client, pool, ORG, "ftjob-resume", episode)
         assert task == guess_task()
@@ -194,55 +241,44 @@ def test_an_episode_whose_server_dies_goes_on_from_its_last_turn_elsewhere(
         served = [json.loads(v) for v in redis_client.hvals(served_key(pool, ORG, "ftjob-resume"))]
         assert [r["method"] for r in served].count("resume") == 1
         assert {r["server"] for r in served if r["method"] == "resume"} == set(servers) - {holder}
-    finally:
-        remote.close()
-        local.close()
 
 
 def test_sigterm_drains_a_server_after_its_episodes(
-    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
+    start_servers: Start, grant: Grant, remote: Remote, pool: str, redis_client: redis.Redis
 ) -> None:
     ((server_id, server),) = start_servers(1).items()
-    granted = grant(ORG, "ftjob-drain")
-    remote = RemoteSandbox(granted.url, EXAMPLES / "guess_number", org=ORG, pool=pool, job_id="ftjob-drain")
-    try:
-        remote.start()
-        opened = remote.call("reset", {"task": guess_task()})
-        server.terminate()
-        deadline = time.monotonic() + 10
-        while not live_servers(redis_client, pool, ORG)[server_id].draining:  # as the trainer sees it
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        # draining: it takes no new work, but the episode it holds goes on there
-        message = {"role": "assistant", "content": "3"}
-        step = remote.call("step", {"episode_id": opened["episode_id"], "assistant_message": message})
-        assert step["error"] is None and server.poll() is None
-        remote.call("close_episode", {"episode_id": opened["episode_id"]})
-        assert server.proc.wait(timeout=30) == 0  # then it stops by itself, deregistered
-        assert live_servers(redis_client, pool) == {} and live_servers(redis_client, pool, ORG) == {}
-        assert not redis_client.exists(requests_key(pool, ORG, server_id))
-    finally:
-        remote.close()
+    box = remote(grant(ORG, "ftjob-drain"), EXAMPLES / "guess_number")
+    box.start()
+    opened = box.call("reset", {"task": guess_task()})
+    server.terminate()
+    deadline = time.monotonic() + 10
+    while not live_servers(redis_client, pool, ORG)[server_id].draining:  # as the trainer sees it
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    # draining: it takes no new work, but the episode it holds goes on there
+    message = {"role": "assistant", "content": "3"}
+    step = box.call("step", {"episode_id": opened["episode_id"], "assistant_message": message})
+    assert step["error"] is None and server.poll() is None
+    box.call("close_episode", {"episode_id": opened["episode_id"]})
+    assert server.proc.wait(timeout=30) == 0  # then it stops by itself, deregistered
+    assert live_servers(redis_client, pool) == {} and live_servers(redis_client, pool, ORG) == {}
+    assert not redis_client.exists(requests_key(pool, ORG, server_id))
 
 
 def test_a_package_that_keeps_crashing_servers_is_refused_across_jobs(
     start_servers: Start,
     services: Services,
     grant: Grant,
+    pooled_spec: PooledSpec,
     pool: str,
     redis_client: redis.Redis,
     tmp_path: Path,
-    tiny_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    package = write_package(tmp_path, "slow", SLOW)
-    servers = start_servers(3, capacity=1)
-    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-crashes"))
     from trainer.environment import EnvironmentSession
 
-    environment = {"package_dir": str(package), "config": {}}
-    rows = [{"messages": [{"role": "user", "content": "q"}]}]
-    spec = read_spec(make_spec(tmp_path, tiny_model_dir, "reinforcement", rows, environment=environment))
+    package = write_package(tmp_path, "slow", SLOW)
+    servers = start_servers(3, capacity=1)
+    spec = pooled_spec("ftjob-crashes", package, [{"messages": [{"role": "user", "content": "q"}]}])
     session = EnvironmentSession(spec)  # servers are registered: the one place chose them
     try:
         assert session.sandbox.backend == f"env servers of pool {pool!r}"
@@ -332,34 +368,22 @@ def services_stream_len(services: Services, pool: str, server_id: str) -> int:
 
 
 def test_rewards_are_scored_while_the_batch_generates_each_once(
-    start_servers: Start,
-    grant: Grant,
-    pool: str,
-    redis_client: redis.Redis,
-    tmp_path: Path,
-    tiny_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    start_servers: Start, pooled_spec: PooledSpec, pool: str, redis_client: redis.Redis
 ) -> None:
     from trainer.environment import EnvironmentSession
     from trainer.pipeline import RewardPipeline
 
     start_servers(2)
-    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-pipelined"))
     rows = [
         json.loads(line) for line in (EXAMPLES / "arithmetic" / "tasks.jsonl").read_text().splitlines()[:4]
     ]
-    environment = {"package_dir": str(EXAMPLES / "arithmetic"), "config": {}}
-    hyperparameters = {"batch_size": 4, "num_generations": 4, "max_completion_length": 8}
-    spec = read_spec(
-        make_spec(
-            tmp_path,
-            tiny_model_dir,
-            "reinforcement",
-            rows,
-            environment=environment,
-            hyperparameters=hyperparameters,
-            job_id="ftjob-pipelined",
-        )
+    spec = pooled_spec(
+        "ftjob-pipelined",
+        EXAMPLES / "arithmetic",
+        rows,
+        batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
     )
     session = EnvironmentSession(spec)
     session.pipeline = RewardPipeline(session)
@@ -430,26 +454,14 @@ class Env(MultiTurnEnv):
 
 
 def test_a_batch_s_multi_turn_episodes_step_at_once_across_servers(
-    start_servers: Start,
-    grant: Grant,
-    pool: str,
-    redis_client: redis.Redis,
-    tmp_path: Path,
-    tiny_model_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    start_servers: Start, pooled_spec: PooledSpec, pool: str, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     from trainer.environment import EnvironmentSession
 
     package = write_package(tmp_path, "turns", TURNS)
     servers = start_servers(2)
-    trainer_uses_pool(monkeypatch, grant(ORG, "ftjob-turns"))
     rows = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"}]} for i in range(4)]
-    environment = {"package_dir": str(package), "config": {}}
-    spec = read_spec(
-        make_spec(
-            tmp_path, tiny_model_dir, "reinforcement", rows, environment=environment, job_id="ftjob-turns"
-        )
-    )
+    spec = pooled_spec("ftjob-turns", package, rows)
     session = EnvironmentSession(spec)
     try:
         trainer, _ = grpo_trainer(spec, session)
@@ -487,56 +499,43 @@ def seen(remote: RemoteSandbox, secret: str) -> str:
 
 
 def test_an_organisation_s_calls_never_run_in_a_sandbox_that_served_another_s(
-    start_servers: Start, grant: Grant, pool: str, tmp_path: Path
+    start_servers: Start, grant: Grant, remote: Remote, tmp_path: Path
 ) -> None:
     package = write_package(tmp_path, "remembers", REMEMBERS)
     start_servers(1, capacity=1)  # one sandbox per package: the same one for every call, were they shared
     a, b = grant("org-aaa", "ftjob-a"), grant("org-bbb", "ftjob-b")
-    remote_a = RemoteSandbox(a.url, package, org="org-aaa", pool=pool, job_id="ftjob-a")
-    remote_b = RemoteSandbox(b.url, package, org="org-bbb", pool=pool, job_id="ftjob-b")
-    try:
-        remote_a.start()
-        remote_b.start()
-        assert remote_a.package == remote_b.package  # the same package, byte for byte
-        assert seen(remote_a, "secret-of-a") == "ValueError: seen secret-of-a"
-        assert seen(remote_b, "secret-of-b") == "ValueError: seen secret-of-b"
-        # each organisation's sandbox goes on remembering its own organisation's tasks only
-        assert seen(remote_a, "more-of-a") == "ValueError: seen more-of-a,secret-of-a"
-    finally:
-        remote_a.close()
-        remote_b.close()
+    remote_a, remote_b = remote(a, package), remote(b, package)
+    remote_a.start()
+    remote_b.start()
+    assert remote_a.package == remote_b.package  # the same package, byte for byte
+    assert seen(remote_a, "secret-of-a") == "ValueError: seen secret-of-a"
+    assert seen(remote_b, "secret-of-b") == "ValueError: seen secret-of-b"
+    # each organisation's sandbox goes on remembering its own organisation's tasks only
+    assert seen(remote_a, "more-of-a") == "ValueError: seen more-of-a,secret-of-a"
 
 
 def test_a_request_reaches_only_its_own_organisation_s_state(
-    start_servers: Start, grant: Grant, pool: str, redis_client: redis.Redis
+    start_servers: Start, grant: Grant, remote: Remote, pool: str, redis_client: redis.Redis
 ) -> None:
     ((server_id, _),) = start_servers(1).items()
     a, b = grant("org-aaa", "ftjob-a"), grant("org-bbb", "ftjob-b")
-    remote_a = RemoteSandbox(a.url, EXAMPLES / "guess_number", org="org-aaa", pool=pool, job_id="ftjob-a")
+    remote_a = remote(a, EXAMPLES / "guess_number")
     # B's trainer names A's job, to find A's episodes
-    remote_b = RemoteSandbox(b.url, EXAMPLES / "arithmetic", org="org-bbb", pool=pool, job_id="ftjob-a")
-    try:
-        remote_a.start()
-        remote_b.start()
-        episode = remote_a.call("reset", {"task": guess_task()})["episode_id"]
-        # resuming A's open episode from B's namespace finds no state there: B never sees A's task
-        with pytest.raises(SandboxError) as lost:
-            remote_b.gather([remote_b.submit("resume", {"episode_id": episode})])
-        assert lost.value.code == "episode_lost"
-        # the registrations B's trainer reads list none of A's packages (each heartbeat writes them)
-        deadline = time.monotonic() + 10
-        while [r.packages for r in live_servers(redis_client, pool, "org-aaa").values()] != [
-            [remote_a.package]
-        ]:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        assert [r.packages for r in live_servers(redis_client, pool, "org-bbb").values()] == [
-            [remote_b.package]
-        ]
-    finally:
-        remote_a.close()
-        remote_b.close()
-    # a package named by a path, to reach A's unpacked copy on the server, is refused
+    remote_b = remote(b, EXAMPLES / "arithmetic", job_id="ftjob-a")
+    remote_a.start()
+    remote_b.start()
+    episode = remote_a.call("reset", {"task": guess_task()})["episode_id"]
+    # resuming A's open episode from B's namespace finds no state there: B never sees A's task
+    with pytest.raises(SandboxError) as lost:
+        remote_b.gather([remote_b.submit("resume", {"episode_id": episode})])
+    assert lost.value.code == "episode_lost"
+    # the registrations B's trainer reads list none of A's packages (each heartbeat writes them)
+    deadline = time.monotonic() + 10
+    while [r.packages for r in live_servers(redis_client, pool, "org-aaa").values()] != [[remote_a.package]]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert [r.packages for r in live_servers(redis_client, pool, "org-bbb").values()] == [[remote_b.package]]
+    # a package named by a path, to reach A's unpacked copy on the server (A's sandbox is open), is refused
     answer = probe(redis_client, pool, "org-bbb", server_id, f"../org-aaa/{remote_a.package}")
     assert answer["error"] == {
         "code": "package_invalid",
