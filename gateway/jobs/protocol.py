@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, Literal
 
 from pydantic import Field
 
+from gateway.jobs.method import JobMethod
 from gateway.jobs.store import CheckpointRow, EventRow, JobRow
+from gateway.jobs.validation import hyperparameters_param, parse_method
 from gateway.protocol import OpenAIBaseModel
 from gateway.timeutil import ts
 
@@ -24,8 +27,20 @@ class JobCreate(OpenAIBaseModel):
     seed: int | None = None
     metadata: dict[str, Any] | None = None
     hyperparameters: dict[str, Any] | None = None
+    """Legacy: the hyperparameters of a supervised job, or of `method` when it gives none."""
     method: dict[str, Any] | None = None
+    """As the client wrote it; `job_method` is it typed."""
     integrations: list[dict[str, Any]] | None = None
+
+    @cached_property
+    def job_method(self) -> JobMethod:
+        """The typed method (`gateway.jobs.method`); a 400 naming the request's field when it is not one."""
+        return parse_method(self.method, self.hyperparameters)
+
+    @property
+    def hyperparameters_param(self) -> str:
+        """Where the request gave the hyperparameters (errors name it)."""
+        return hyperparameters_param(self.method, self.job_method.type)
 
 
 class JobError(OpenAIBaseModel):
@@ -57,8 +72,8 @@ class FineTuningJob(OpenAIBaseModel):
 
     @classmethod
     def from_row(cls, row: JobRow) -> FineTuningJob:
-        method = row.method
-        hp = method.get(method["type"], {}).get("hyperparameters", {})
+        method = row.method.stored()
+        hp = method[row.method.type]["hyperparameters"]
         legacy = {k: hp[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier") if k in hp}
         return cls(
             id=row.id,

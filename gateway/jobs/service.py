@@ -7,7 +7,6 @@ import hashlib
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
 
 import anyio
 import asyncpg
@@ -20,17 +19,16 @@ from gateway.files import store as files_store
 from gateway.files.store import FileRow
 from gateway.graders.checks import check_grader
 from gateway.jobs import store
+from gateway.jobs.method import JobMethod
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.store import JobRow
 from gateway.jobs.validation import (
     DatasetSummary,
-    MethodSpec,
     RowError,
     check_metadata,
     check_servable_rank,
     check_suffix,
     check_training_file,
-    normalise_method,
     resolve_hyperparameters,
 )
 from gateway.limits import store as limits_store
@@ -78,8 +76,8 @@ async def create(
     replayed = await _replayed(res, who, idempotency_key, request_hash)
     if replayed is not None:
         return replayed
-    spec, files = await _validate(res, who, body)
-    row = await _insert(res, who, body, spec, idempotency_key, request_hash)
+    method, files = await _validate(res, who, body)
+    row = await _insert(res, who, body, method, idempotency_key, request_hash)
     if row is None:  # a concurrent create with the same key was first
         replayed = await _replayed(res, who, idempotency_key, request_hash)
         if replayed is None:  # and its job is gone already: nothing to replay, nothing made
@@ -92,11 +90,11 @@ async def create(
     events = JobEvents(res.pool, row.id, who.organization_id)
     await events.add(f"Created fine-tuning job: {row.id}", "created")
     try:
-        summaries = await _check_files(res, events, body, spec.type, files)
-        spec.hyperparameters = _resolve_for_files(res, body, spec, summaries)
+        summaries = await _check_files(res, events, body, method.type, files)
+        method = method.with_hyperparameters(_resolve_for_files(res, body, method, summaries))
     except FileRejected as exc:
         return await _fail_validation(res, events, row, body, exc)
-    return await _queue(res, events, row, body, spec, summaries)
+    return await _queue(res, events, row, method, summaries)
 
 
 async def _replayed(
@@ -113,7 +111,7 @@ async def _insert(
     res: Resources,
     who: Principal,
     body: JobCreate,
-    spec: MethodSpec,
+    method: JobMethod,
     idempotency_key: str | None,
     request_hash: str,
 ) -> JobRow | None:
@@ -126,7 +124,7 @@ async def _insert(
             model=body.model,
             training_file=body.training_file,
             validation_file=body.validation_file,
-            method=_method_object(spec),
+            method=method,
             seed=body.seed if body.seed is not None else secrets.randbelow(2**31),
             suffix=body.suffix,
             metadata=body.metadata,
@@ -152,14 +150,15 @@ async def _check_files(
 
 
 def _resolve_for_files(
-    res: Resources, body: JobCreate, spec: MethodSpec, summaries: list[DatasetSummary]
+    res: Resources, body: JobCreate, method: JobMethod, summaries: list[DatasetSummary]
 ) -> AnyHyperparameters:
     """The hyperparameters resolved from the files' sizes. What only the files' sizes make impossible (a
     reinforcement batch larger than the training file) rejects the training file: the job fails with the
     reason, as for a row that does not fit, and is not left validating."""
     try:
         return resolve_hyperparameters(
-            spec,
+            method,
+            body.hyperparameters_param,
             summaries[0],
             summaries[1] if len(summaries) > 1 else None,
             res.settings.base_model_path(body.model),
@@ -172,15 +171,14 @@ async def _queue(
     res: Resources,
     events: JobEvents,
     row: JobRow,
-    body: JobCreate,
-    spec: MethodSpec,
+    method: JobMethod,
     summaries: list[DatasetSummary],
 ) -> FineTuningJob:
     """Store the resolved hyperparameters with the job's steps, and queue the job."""
-    hp = spec.hyperparameters
+    hp = method.hyperparameters
     assert isinstance(hp, Hyperparameters)
-    steps = total_steps(spec.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
-    queued = await store.to_queued(res.pool, job_id=row.id, method=_method_object(spec), total_steps=steps)
+    steps = total_steps(method.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
+    queued = await store.to_queued(res.pool, job_id=row.id, method=method, total_steps=steps)
     if queued is None:  # cancelled while validating
         current = await store.get(res.pool, org_id=row.organization_id, job_id=row.id)
         assert current is not None
@@ -207,14 +205,17 @@ class JobEvents:
         )
 
 
-async def _check_devices(res: Resources, spec: MethodSpec, model: str) -> None:
+async def _check_devices(res: Resources, body: JobCreate) -> None:
     """A job that needs more devices than any live worker owns is refused now, not left queued for ever.
     With no worker seen lately nothing is known, and the job waits for one."""
-    given = spec.hyperparameters.model_dump().get("gpus", "auto")
+    method = body.job_method
+    given = getattr(method.hyperparameters, "gpus", "auto")
     gpus = (
-        given if isinstance(given, int) else devices_for(model_defaults(res.settings.base_model_path(model)))
+        given
+        if isinstance(given, int)
+        else devices_for(model_defaults(res.settings.base_model_path(body.model)))
     )
-    generation = generation_devices(res.settings, spec.type)
+    generation = generation_devices(res.settings, method.type)
     within = max(60.0, 3.0 * res.settings.requeue_interval_s)
     largest = await work_store.largest_worker(res.pool, within_s=within)
     if largest is not None and gpus + generation > largest:
@@ -222,12 +223,12 @@ async def _check_devices(res: Resources, spec: MethodSpec, model: str) -> None:
         raise InvalidRequest(
             f"This job needs {gpus + generation} devices ({gpus} for training{also}), but the largest "
             f"worker has {largest}.",
-            param=f"{spec.param}.gpus",
+            param=f"{body.hyperparameters_param}.gpus",
             code="too_many_devices",
         )
 
 
-async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[MethodSpec, list[Path]]:
+async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[JobMethod, list[Path]]:
     """Everything a create can be refused for before it is inserted; returns the method and the paths of
     the training (and validation) file. A model a grader calls must be one the organisation may chat with
     (the trainer calls it through the gateway with a key of the organisation): else the chat route's 404."""
@@ -241,39 +242,34 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Me
         )
     check_suffix(body.suffix)
     check_metadata(body.metadata)
-    spec = normalise_method(body.method, body.hyperparameters)
-    await _check_devices(res, spec, body.model)
-    if spec.grader is not None:
-        await check_grader(res, org, spec.grader, "method.reinforcement.grader")
-        await check_models(res, who, model_fields(spec.grader, param="method.reinforcement.grader"))
+    method = body.job_method
+    await _check_devices(res, body)
+    if method.grader is not None:
+        await check_grader(res, org, method.grader, "method.reinforcement.grader")
+        await check_models(res, who, model_fields(method.grader, param="method.reinforcement.grader"))
     # What cannot be honoured whatever the files hold (evaluation settings without a validation file).
     probe = DatasetSummary(1_000_000, 0)
+    param = body.hyperparameters_param
     probed = resolve_hyperparameters(
-        spec, probe, probe if body.validation_file else None, res.settings.base_model_path(body.model)
+        method,
+        param,
+        probe,
+        probe if body.validation_file else None,
+        res.settings.base_model_path(body.model),
     )
-    check_servable_rank(probed, spec, res.settings.engine_max_lora_rank)
+    check_servable_rank(probed, param, res.settings.engine_max_lora_rank)
     training = await _owned_file(res, org, body.training_file, "fine-tune", "training_file")
     files = [res.blobs.path(training.blob_key)]
     if body.validation_file:
         validation = await _owned_file(res, org, body.validation_file, "fine-tune", "validation_file")
         files.append(res.blobs.path(validation.blob_key))
-    if spec.environment is not None:
+    if method.environment is not None:
         await _owned_file(
-            res, org, spec.environment["file_id"], "environment", "method.reinforcement.environment.file_id"
+            res, org, method.environment.file_id, "environment", "method.reinforcement.environment.file_id"
         )
-    epochs = getattr(spec.hyperparameters, "n_epochs", 1)
+    epochs = getattr(method.hyperparameters, "n_epochs", 1)
     await _check_budget(res, org, body.model, training.bytes, epochs if isinstance(epochs, int) else 1)
-    return spec, files
-
-
-def _method_object(spec: MethodSpec) -> dict[str, Any]:
-    """The job's `method` as stored and shown: its hyperparameters (as given, or resolved) and reward."""
-    body: dict[str, Any] = {"hyperparameters": spec.hyperparameters.model_dump(exclude_none=True)}
-    if spec.grader is not None:
-        body["grader"] = spec.grader
-    if spec.environment is not None:
-        body["environment"] = spec.environment
-    return {"type": spec.type, spec.type: body}
+    return method, files
 
 
 class FileRejected(Exception):

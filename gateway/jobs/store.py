@@ -12,6 +12,7 @@ from typing import Any
 
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
 from gateway.ids import new_id
+from gateway.jobs.method import JobMethod, as_method
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +26,9 @@ class JobRow:
     training_file: str
     validation_file: str | None
     status: str
-    method: dict[str, Any]
-    """`{"type": ..., <type>: {"hyperparameters": ..., ...}}`, hyperparameters resolved once queued."""
+    method: JobMethod
+    """Typed (`gateway.jobs.method`; stored as `{"type": ..., <type>: {"hyperparameters": ..., ...}}`), its
+    hyperparameters resolved once queued. Parsed from the stored JSON when the row is read."""
     seed: int
     suffix: str | None
     metadata: dict[str, Any] | None
@@ -47,6 +49,9 @@ class JobRow:
     total_steps: int | None
     last_checkpoint: str | None
     request_hash: str | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", as_method(self.method))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +77,8 @@ class CheckpointRow:
 
 INSERT = """
 INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
-    method, seed, suffix, metadata, integrations, idempotency_key, request_hash)
-VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13)
+    method, seed, suffix, metadata, integrations, idempotency_key, request_hash, method_type, gpus)
+VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14, $15)
 RETURNING *"""
 GET = "SELECT * FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
 GET_ANY = "SELECT * FROM fine_tuning_jobs WHERE id = $1"
@@ -87,7 +92,7 @@ ORDER BY seq DESC LIMIT $4"""
 
 TO_QUEUED = """
 UPDATE fine_tuning_jobs
-SET status = 'queued', method = $2, total_steps = $3,
+SET status = 'queued', method = $2, total_steps = $3, gpus = $4,
     queued_at = now(), queue_generation = queue_generation + 1
 WHERE id = $1 AND status = 'validating_files' RETURNING *"""
 TO_FAILED = """
@@ -121,6 +126,8 @@ ORDER BY seq DESC LIMIT $4"""
 
 
 async def insert(conn: Conn, **kw: Any) -> JobRow:
+    """A new job, `validating_files`; `method` a `JobMethod` (or its stored shape)."""
+    method = as_method(kw["method"])
     record = await conn.fetchrow(
         INSERT,
         new_id("ftjob-"),
@@ -129,13 +136,15 @@ async def insert(conn: Conn, **kw: Any) -> JobRow:
         kw["model"],
         kw["training_file"],
         kw["validation_file"],
-        kw["method"],
+        method.stored(),
         kw["seed"],
         kw["suffix"],
         kw["metadata"],
         kw["integrations"],
         kw["idempotency_key"],
         kw["request_hash"],
+        method.type,
+        method.gpus,
     )
     return row_to(JobRow, record)
 
@@ -159,8 +168,10 @@ async def list_page(
     return rows_to(JobRow, await conn.fetch(LIST, org_id, after, metadata, limit))
 
 
-async def to_queued(conn: Conn, *, job_id: str, method: dict[str, Any], total_steps: int) -> JobRow | None:
-    return maybe_row_to(JobRow, await conn.fetchrow(TO_QUEUED, job_id, method, total_steps))
+async def to_queued(conn: Conn, *, job_id: str, method: JobMethod, total_steps: int) -> JobRow | None:
+    """Queue a validated job with its resolved method (and so the devices it claims)."""
+    record = await conn.fetchrow(TO_QUEUED, job_id, method.stored(), total_steps, method.gpus)
+    return maybe_row_to(JobRow, record)
 
 
 async def to_failed(

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from envsdk.graders import GraderError, validate_grader
 from gateway.errors import InvalidRequest, validation_failure, validation_text
 from gateway.files.validation import read_rows
+from gateway.jobs.method import METHOD, EnvironmentRef, JobMethod
 from trainer.spec import (
     METHODS,
     REQUEST,
@@ -30,29 +31,18 @@ _SUFFIX = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 
 
-@dataclass
-class MethodSpec:
-    """A create's method, normalised: its type, the hyperparameters as given, and its reward source."""
-
-    type: str
-    hyperparameters: BaseModel
-    """A `trainer.spec.REQUEST` model (may hold "auto") until resolved, then the method's resolved model."""
-    grader: dict[str, Any] | None = None
-    environment: dict[str, Any] | None = None
-    param: str = ""
+def hyperparameters_param(method: dict[str, Any] | None, kind: str) -> str:
     """Where the request gave the hyperparameters: `method.<type>.hyperparameters`, or the legacy top-level
-    `hyperparameters` (errors name the field where the client wrote it)."""
-
-    def __post_init__(self) -> None:
-        self.param = self.param or f"method.{self.type}.hyperparameters"
+    `hyperparameters` when it gave no method (errors name the field where the client wrote it)."""
+    return "hyperparameters" if method is None else f"method.{kind}.hyperparameters"
 
 
-def check_servable_rank(hyperparameters: BaseModel, spec: MethodSpec, max_rank: int) -> None:
+def check_servable_rank(hyperparameters: BaseModel, param: str, max_rank: int) -> None:
     """A job trains only an adapter its model can be served with: a `lora_r` above the engines' largest rank
     (`engine_max_lora_rank`) is refused at create, not after training, when serving would refuse it."""
     rank = getattr(hyperparameters, "lora_r", None)
     if isinstance(rank, int):
-        refuse_unservable_rank(rank, max_rank, field="lora_r", param=f"{spec.param}.lora_r")
+        refuse_unservable_rank(rank, max_rank, field="lora_r", param=f"{param}.lora_r")
 
 
 def refuse_unservable_rank(rank: int, max_rank: int, *, field: str, param: str) -> None:
@@ -122,11 +112,12 @@ def check_grader(grader: Any, param: str) -> None:
         raise InvalidRequest(exc.message, param=exc.param or param, code=exc.code) from None
 
 
-def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> MethodSpec:
-    """The method of a create; legacy top-level `hyperparameters` mean supervised."""
+def parse_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> JobMethod:
+    """The typed method of a create (legacy top-level `hyperparameters` mean supervised), each problem a 400
+    naming the request's field. The hyperparameters are all set (those not given `"auto"`), as stored."""
     if method is None:
         hp = check_hyperparameters("supervised", legacy or {}, "hyperparameters")
-        return MethodSpec("supervised", hp, param="hyperparameters")
+        return METHOD.validate_python({"type": "supervised", "supervised": {"hyperparameters": _all_set(hp)}})
     if not isinstance(method, dict):
         raise InvalidRequest("method must be an object.", param="method")
     kind = method.get("type")
@@ -138,7 +129,7 @@ def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | Non
     hp = check_hyperparameters(
         kind, body.get("hyperparameters") or legacy or {}, f"method.{kind}.hyperparameters"
     )
-    spec = MethodSpec(kind, hp)
+    typed: dict[str, Any] = {"hyperparameters": _all_set(hp)}
     if kind == "reinforcement":
         grader, env = body.get("grader"), body.get("environment")
         if (grader is None) == (env is None):
@@ -148,20 +139,28 @@ def normalise_method(method: dict[str, Any] | None, legacy: dict[str, Any] | Non
             )
         if grader is not None:
             check_grader(grader, "method.reinforcement.grader")
-            spec.grader = grader
+            typed["grader"] = grader
         else:
-            if not isinstance(env, dict) or not isinstance(env.get("file_id"), str):
-                raise InvalidRequest(
-                    "environment must be {'file_id': <file of purpose environment>, 'config': {...}}.",
-                    param="method.reinforcement.environment.file_id",
-                )
-            config = env.get("config", {})
-            if not isinstance(config, dict):
-                raise InvalidRequest(
-                    "environment.config must be an object.", param="method.reinforcement.environment.config"
-                )
-            spec.environment = {"file_id": env["file_id"], "config": config}
-    return spec
+            typed["environment"] = _environment(env)
+    return METHOD.validate_python({"type": kind, kind: typed})
+
+
+def _all_set(hyperparameters: BaseModel) -> BaseModel:
+    """The hyperparameters with every field set (`"auto"` where not given): stored and shown whole."""
+    return type(hyperparameters).model_validate(hyperparameters.model_dump())
+
+
+def _environment(env: Any) -> EnvironmentRef:
+    if not isinstance(env, dict) or not isinstance(env.get("file_id"), str):
+        raise InvalidRequest(
+            "environment must be {'file_id': <file of purpose environment>, 'config': {...}}.",
+            param="method.reinforcement.environment.file_id",
+        )
+    if not isinstance(env.get("config", {}), dict):
+        raise InvalidRequest(
+            "environment.config must be an object.", param="method.reinforcement.environment.config"
+        )
+    return EnvironmentRef(file_id=env["file_id"], config=env.get("config", {}))
 
 
 # ---- training rows --------------------------------------------------------------------------------
@@ -234,14 +233,13 @@ DERIVED_FROM = {"learning_rate": "learning_rate_multiplier", "learning_rate_mult
 range is the given one's fault, and the error names that one."""
 
 
-def _resolved_error(exc: ValidationError, spec: MethodSpec) -> InvalidRequest:
+def _resolved_error(exc: ValidationError, method: JobMethod, prefix: str) -> InvalidRequest:
     """The 400 for a resolved value its model refuses. `param` names the field the client can change: the
     one it gave, when the refused value was computed from it (a `learning_rate_multiplier` so large that
     the learning rate it gives passes 1)."""
-    prefix = spec.param
     error = exc.errors()[0]
     name = str(error["loc"][0]) if error["loc"] else ""
-    given = spec.hyperparameters.model_dump()
+    given = method.hyperparameters.model_dump()
     source = DERIVED_FROM.get(name)
     if source is not None and given.get(name) == "auto" and isinstance(given.get(source), int | float):
         value, resolved = float(given[source]), float(error["input"])
@@ -255,14 +253,19 @@ def _resolved_error(exc: ValidationError, spec: MethodSpec) -> InvalidRequest:
 
 
 def resolve_hyperparameters(
-    spec: MethodSpec, summary: DatasetSummary, validation: DatasetSummary | None, model_path: Path
+    method: JobMethod,
+    param: str,
+    summary: DatasetSummary,
+    validation: DatasetSummary | None,
+    model_path: Path,
 ) -> AnyHyperparameters:
-    """Every `"auto"` replaced by the number training will use (`trainer.spec.resolve`)."""
+    """Every `"auto"` replaced by the number training will use (`trainer.spec.resolve`); `param`: where the
+    request gave the hyperparameters (`hyperparameters_param`)."""
     data = DataSummary(rows=summary.rows, validation_rows=validation.rows if validation else None)
     try:
-        return resolve(spec.type, spec.hyperparameters, data, model_defaults(model_path))
+        return resolve(method.type, method.hyperparameters, data, model_defaults(model_path))
     except ValidationError as exc:  # a resolved value out of its range (a ValueError too: caught first)
-        raise _resolved_error(exc, spec) from None
+        raise _resolved_error(exc, method, param) from None
     except ValueError as exc:
         name, _, message = str(exc).partition(": ")
-        raise InvalidRequest(f"{name}: {message}.", param=f"{spec.param}.{name}") from None
+        raise InvalidRequest(f"{name}: {message}.", param=f"{param}.{name}") from None

@@ -22,7 +22,7 @@ import os
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from gateway.settings import Settings
 from inference.vllm import gpus_listed
@@ -213,10 +213,3 @@ def free_port() -> int:
 def generation_devices(settings: Settings, method: str) -> int:
     """Devices a job of `method` takes beyond its `gpus` for vLLM in server mode (reinforcement only)."""
     return settings.vllm_server_gpus if method == "reinforcement" and settings.use_vllm else 0
-
-
-def devices_of_job(method: dict[str, Any]) -> int:
-    """The `gpus` a job's stored method asks for (1 for a job made before devices were counted)."""
-    hp = (method.get(method.get("type", "")) or {}).get("hyperparameters") or {}
-    gpus = hp.get("gpus", 1)
-    return gpus if isinstance(gpus, int) and gpus > 0 else 1

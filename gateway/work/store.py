@@ -25,8 +25,7 @@ WITH work AS (
     FROM fine_tuning_jobs j
     WHERE j.status = 'queued' AND j.worker_id IS NULL
       -- only a job whose devices (and a reinforcement job's generation devices) are free here
-      AND coalesce((j.method #>> ARRAY[j.method->>'type', 'hyperparameters', 'gpus'])::int, 1)
-          + CASE WHEN j.method->>'type' = 'reinforcement' THEN $2::int ELSE 0 END <= $1
+      AND j.gpus + CASE WHEN j.method_type = 'reinforcement' THEN $2::int ELSE 0 END <= $1
     UNION ALL
     SELECT 'tinker', m.id, m.organization_id, w.since, m.seq
     FROM (SELECT model_id, min(created_at) AS since FROM tinker_requests

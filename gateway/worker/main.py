@@ -39,7 +39,7 @@ from gateway.tinker.rows import TrainingModelRow
 from gateway.tinker.store import MODEL_LEASE
 from gateway.work import lease, presence
 from gateway.work import store as work_store
-from gateway.work.devices import DevicePool, devices_of_job, generation_devices, parse_devices
+from gateway.work.devices import DevicePool, generation_devices, parse_devices
 from gateway.work.lease import Lease
 from gateway.work.resilience import Worker
 from gateway.worker.context import JobContext
@@ -142,8 +142,7 @@ async def take_work(ctx: dict[str, Any]) -> str:
             else:
                 claimed = await running.claim(pool, job_id=work.id, worker_id=worker_id)
                 if claimed is not None:
-                    method = claimed.method
-                    count = devices_of_job(method) + generation_devices(settings, method["type"])
+                    count = claimed.method.gpus + generation_devices(settings, claimed.method.type)
             if claimed is None:
                 continue  # another worker took it between the choice and the claim
             taken = devices.take(count)

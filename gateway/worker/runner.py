@@ -66,7 +66,7 @@ class JobRun:
         self.queue = queue
         self.workdir = ctx.workdir
         devices = devices or cpu_devices(1)
-        extra = generation_devices(ctx.settings, ctx.row.method["type"])
+        extra = generation_devices(ctx.settings, ctx.row.method.type)
         self.devices = devices[: len(devices) - extra] if extra else devices
         """The trainer's devices (one process each)."""
         self.generation = devices[len(devices) - extra :] if extra else []

@@ -110,7 +110,7 @@ class Meter:
             org_id=self.ctx.org_id,
             job_id=self.ctx.id,
             base_model=self.ctx.row.model,
-            method=self.ctx.row.method["type"],
+            method=self.ctx.row.method.type,
             trained_tokens=tokens,
             steps=max(0, (self.progress.step or 0) - self.progress.start_step),
             seconds=seconds,

@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from redis.exceptions import RedisError
 
 from envsdk.venvs import builder_env
 from gateway.jobs import running
+from gateway.jobs.method import JobMethod, as_method
 from gateway.jobs.running import key_name
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
@@ -69,18 +70,18 @@ KEY_TTL_S = 300.0
 """Life of a job's key between renewals (the heartbeat renews it every third of that)."""
 
 
-def is_environment_job(method: dict[str, Any]) -> bool:
-    method = method or {}
-    return bool((method.get(str(method.get("type")), {}) or {}).get("environment"))
+def is_environment_job(method: JobMethod | Mapping[str, Any]) -> bool:
+    """Whether the job's reward is an uploaded environment (its method, or the method's stored shape)."""
+    return as_method(method).environment is not None
 
 
-def environment_env(settings: Settings, method: dict[str, Any]) -> dict[str, str]:
+def environment_env(settings: Settings, method: JobMethod | Mapping[str, Any]) -> dict[str, str]:
     """An environment job's `method`: where its trainer finds, or builds, its package's venv
     (`envsdk.venvs`, the same cache as the uploads')."""
     return builder_env(settings.venv_builder()) if is_environment_job(method) else {}
 
 
-def uses_env_pool(settings: Settings, method: dict[str, Any]) -> bool:
+def uses_env_pool(settings: Settings, method: JobMethod | Mapping[str, Any]) -> bool:
     """Whether the job's trainer gets a Redis user for the env servers' pool (`trainer.envpool` runs the
     environment there when a server of the pool is registered)."""
     return bool(settings.redis_url) and is_environment_job(method)

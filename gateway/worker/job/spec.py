@@ -23,9 +23,8 @@ from trainer.spec import TrainerSpec
 
 def calls_models(job: JobRow) -> bool:
     """Whether the job's grader calls a model (and so its trainer needs the gateway and a key)."""
-    method = job.method
-    grader = (method.get(method["type"]) or {}).get("grader")
-    return isinstance(grader, dict) and bool(model_fields(grader))
+    grader = job.method.grader
+    return grader is not None and bool(model_fields(grader))
 
 
 def fine_tuned_model_name(job: JobRow) -> str:
@@ -45,28 +44,23 @@ async def write_spec(ctx: JobContext[JobRow], *, workdir: Path, vllm_server: str
         return ctx.blobs.path(key)
 
     method = job.method
-    kind = method["type"]
-    body = method.get(kind, {})
     archive, environment = None, None
-    if body.get("environment"):
-        archive = await file_path(body["environment"]["file_id"])
-        environment = {
-            "package_dir": str(workdir / "environment"),
-            "config": body["environment"].get("config", {}),
-        }
+    if method.environment is not None:
+        archive = await file_path(method.environment.file_id)
+        environment = {"package_dir": str(workdir / "environment"), "config": method.environment.config}
     validation = job.validation_file
     spec = TrainerSpec.model_validate(
         {
             "job_id": job.id,
-            "method": kind,
+            "method": method.type,
             "base_model": str(settings.base_model_path(job.model)),
             "training_file": str(await file_path(job.training_file)),
             "validation_file": str(await file_path(validation)) if validation else None,
             "output_dir": str(workdir / "out"),
             "resume_from_checkpoint": job.last_checkpoint,
             "seed": job.seed,
-            "hyperparameters": body["hyperparameters"],
-            "grader": body.get("grader"),
+            "hyperparameters": method.hyperparameters.model_dump(exclude_none=True, exclude_unset=True),
+            "grader": method.grader,
             "environment": environment,
             "inference_base_url": f"{settings.internal_gateway_url()}/v1" if calls_models(job) else None,
             "inference_api_key": None,  # in the trainer's environment, not in this file
