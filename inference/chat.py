@@ -18,12 +18,11 @@ import asyncio
 import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.chunks import DONE, ChunkStream, answer_id, usage
+from inference.chunks import DONE, ChunkStream, answer, answer_id
 from inference.engine import INLINE_TOKENIZE_CHARS, ChoiceEvent, GenerationRequest, ModelEngine
 from inference.errors import BadRequestError
 from inference.protocol import ChatCompletionRequest
@@ -280,15 +279,8 @@ async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> di
         message, reason = finish_choice(plan, choice)
         lp = {"content": logprobs_content(engine, choice.logprobs), "refusal": None} if req.logprobs else None
         out_choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lp})
-    return {
-        "id": answer_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "system_fingerprint": None,
-        "choices": out_choices,
-        "usage": usage(len(gen.prompt_ids), sum(c.tokens for c in choices)),
-    }
+    completion = sum(c.tokens for c in choices)
+    return answer("chat.completion", "chatcmpl-", req.model, out_choices, len(gen.prompt_ids), completion)
 
 
 def _accumulate(choice: _Choice, event: ChoiceEvent) -> None:

@@ -1,10 +1,12 @@
-"""The server-sent events of a streamed answer, shared by chat and completions.
+"""The envelopes of an answer, whole or streamed, shared by chat and completions.
 
-A stream is ``data: {chunk}`` lines, then ``data: [DONE]``. Every chunk of one answer carries the same
-envelope (``id``, ``object``, ``created``, ``model``, ``system_fingerprint: null``) around one choice's
-piece, plus ``usage: null`` when the client asked for usage (``stream_options.include_usage``), which
-then comes alone in a last chunk with no choices. ``ChunkStream`` writes that envelope once for both
-``chat.completion.chunk`` (``inference.chat``) and ``text_completion`` (``inference.completions``).
+``answer`` is a whole ``chat.completion`` or ``text_completion``: ``id``, ``object``, ``created``,
+``model``, ``system_fingerprint: null``, the choices and the ``usage``. A stream is ``data: {chunk}``
+lines, then ``data: [DONE]``. Every chunk of one answer carries the same envelope (``id``, ``object``,
+``created``, ``model``, ``system_fingerprint: null``) around one choice's piece, plus ``usage: null`` when
+the client asked for usage (``stream_options.include_usage``), which then comes alone in a last chunk with
+no choices. ``ChunkStream`` writes that envelope once for both ``chat.completion.chunk``
+(``inference.chat``) and ``text_completion`` (``inference.completions``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,22 @@ def usage(prompt: int, completion: int) -> dict[str, int]:
 def answer_id(prefix: str) -> str:
     """A fresh answer id: ``chatcmpl-...`` or ``cmpl-...``."""
     return prefix + secrets.token_hex(12)
+
+
+def answer(
+    object: str, id_prefix: str, model: str, choices: list[dict[str, Any]], prompt: int, completion: int
+) -> dict[str, Any]:
+    """A whole answer (``object``: ``chat.completion`` or ``text_completion``) of ``choices``, with the
+    usage of ``prompt`` and ``completion`` tokens."""
+    return {
+        "id": answer_id(id_prefix),
+        "object": object,
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage(prompt, completion),
+    }
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,10 @@ for the generated tokens (echoed prompt tokens are listed with ``null`` log-prob
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from inference.chunks import DONE, ChunkStream, answer_id, usage
+from inference.chunks import DONE, ChunkStream, answer, answer_id
 from inference.engine import ChoiceEvent, GenerationRequest, ModelEngine
 from inference.errors import BadRequestError
 from inference.protocol import CompletionRequest
@@ -159,15 +158,8 @@ async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, A
     finally:
         for gen in gens:
             engine.cancel(gen)
-    return {
-        "id": answer_id("cmpl-"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": req.model,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": usage(sum(len(g.prompt_ids) for g in gens), completion_tokens),
-    }
+    prompt_tokens = sum(len(g.prompt_ids) for g in gens)
+    return answer("text_completion", "cmpl-", req.model, choices, prompt_tokens, completion_tokens)
 
 
 async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> AsyncGenerator[str, None]:

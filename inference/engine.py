@@ -100,8 +100,8 @@ class ModelEngine:
         self._running: set[int] = set()
         """Ids of the requests in a running batch (the runner drops each as its last choice ends)."""
         self.runner = BatchRunner(
-            name,
-            self.host,
+            name=name,
+            host=self.host,
             device=device,
             decode=self.decode,
             lock=self._lock,

@@ -99,44 +99,41 @@ class _Row:
     done: bool = False
 
 
+@dataclass(eq=False, kw_only=True)
 class BatchRunner:
     """Runs one batch to its end on a worker thread: prefill, then one token a step for every row, each
     row's new text sent to its request as it comes. Several batches may run at once on different threads;
     they interleave step by step under ``lock``, which adapter loads and unloads take too.
 
-    ``ModelEngine`` makes one when it loads its model and hands it what generation needs of the model: the
-    ``host`` whose model runs the steps, ``decode`` (token ids -> visible text), the ``lock``, the
-    ``stop_ids`` that end a choice, the ``pad_id`` of left-padded prompts, and ``running``, the ids of the
-    requests in a batch, from which a request is dropped as soon as its last choice ends.
+    ``ModelEngine`` makes one when it loads its model and hands it what generation needs of the model.
     """
 
-    def __init__(
-        self,
-        name: str,
-        host: LoraHost,
-        *,
-        device: str,
-        decode: Callable[[list[int]], str],
-        lock: threading.RLock,
-        stop_ids: set[int],
-        pad_id: int,
-        running: set[int],
-    ) -> None:
-        self.name = name
-        self.host = host
-        self.device = device
-        self.decode = decode
-        self.lock = lock
-        self.stop_ids = stop_ids
-        self.pad_id = pad_id
-        self.running = running
-        self.config = host.base.config
+    name: str
+    """The base model's served name (for the log)."""
+    host: LoraHost
+    """The model (with its adapters) that runs the steps."""
+    device: str
+    decode: Callable[[list[int]], str]
+    """Token ids -> their visible text (control tokens hidden, tool-call markup kept)."""
+    lock: threading.RLock
+    """The model lock: held for each forward pass."""
+    stop_ids: set[int]
+    """Tokens that end a choice (unless its request ignores EOS)."""
+    pad_id: int
+    """The token left-padded prompts are padded with."""
+    running: set[int]
+    """Ids of the requests in a running batch (the engine's); a request leaves it when its last choice
+    ends."""
+    batches_run: int = field(default=0, init=False)
+    largest_batch: int = field(default=0, init=False)
+    """Most rows in one batch so far."""
+    tokens_generated: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.config = self.host.base.config
         # transformers 5 renamed the forward's ``past_key_values`` to ``cache``
-        params = inspect.signature(host.base.forward).parameters
+        params = inspect.signature(self.host.base.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        self.batches_run = 0
-        self.largest_batch = 0
-        self.tokens_generated = 0
 
     # ------------------------------------------------------------------ generation (worker thread)
     def run(self, batch: list[GenerationRequest]) -> None:

@@ -215,14 +215,9 @@ def serve_engine(settings: Settings, models: Mapping[str, str], host: str, port:
     if len(models) != 1:
         raise ValueError(f"vLLM serves one base model a process, not {len(models)}: run one engine a model")
     ((name, path),) = models.items()
+    sizes = vllm_sizes(settings)
     argv, extra = vllm_command(
-        path,
-        name,
-        python=install.python,
-        on_cpu=install.on_cpu,
-        host=host,
-        port=port,
-        sizes=vllm_sizes(settings),
+        path, name, python=install.python, on_cpu=install.on_cpu, host=host, port=port, sizes=sizes
     )
     build = "CPU" if install.on_cpu else "CUDA"
     print(
