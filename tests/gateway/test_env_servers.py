@@ -128,9 +128,11 @@ def scored(records: list[dict[str, Any]]) -> int:
     return sum(r["items"] for r in records if r["method"] == "reward_batch")
 
 
-def package(tmp_path: Path, t: Tenant) -> str:
+@pytest.fixture
+def slow_package(worker: Any, tenant: Tenant, tmp_path: Path) -> str:
+    """`SLOW_ARITHMETIC` uploaded by `tenant`, for a job of the module's worker: the file id."""
     src = write_package(tmp_path / "slow", "slow_arithmetic", "slow_env:SlowArithmetic", SLOW_ARITHMETIC)
-    return upload_package(t, src, tmp_path)
+    return upload_package(tenant, src, tmp_path)
 
 
 def no_duplicated_events(t: Tenant, job_id: str) -> None:
@@ -142,13 +144,9 @@ def no_duplicated_events(t: Tenant, job_id: str) -> None:
 
 @pytest.mark.timeout(400)
 def test_rewards_are_computed_on_the_env_servers(
-    worker: Any,
-    servers: dict[str, EnvServerProcess],
-    redis_client: redis.Redis,
-    tenant: Tenant,
-    tmp_path: Path,
+    servers: dict[str, EnvServerProcess], redis_client: redis.Redis, tenant: Tenant, slow_package: str
 ) -> None:
-    job_id = rl_job(tenant, package(tmp_path, tenant))
+    job_id = rl_job(tenant, slow_package)
     done = wait_for(tenant, job_id, timeout=300)
     assert done.status == "succeeded", done.error
     records = served(redis_client, tenant, job_id)
@@ -164,14 +162,10 @@ def test_rewards_are_computed_on_the_env_servers(
 
 @pytest.mark.timeout(400)
 def test_a_server_killed_mid_job_costs_the_job_nothing(
-    worker: Any,
-    servers: dict[str, EnvServerProcess],
-    redis_client: redis.Redis,
-    tenant: Tenant,
-    tmp_path: Path,
+    servers: dict[str, EnvServerProcess], redis_client: redis.Redis, tenant: Tenant, slow_package: str
 ) -> None:
     # each reward takes a second, so the kill lands while a server holds a request
-    job_id = rl_job(tenant, package(tmp_path, tenant), sleep_s=2.0)
+    job_id = rl_job(tenant, slow_package, sleep_s=2.0)
     deadline = time.monotonic() + 240
     victim: str | None = None
     while victim is None:  # a request stays in its server's stream until it is answered
