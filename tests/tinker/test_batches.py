@@ -30,13 +30,12 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from gateway.offload import Offload
-from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
 from gateway.tinker.training import INLINE_BODY_BYTES
 from gateway.tinker.wire import WireError
 from gateway.tinker.wire_fields import MAX_FIELDS, fields_left
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import GatewayServer, Tenant, admin_of
-from tests.support.tinker import datum
+from tests.support.tinker import ADAPTER, assert_saved_adapter, datum
 
 CAP = 512 * 1024
 gw = gateway_fixture("tinker-batches", own_database=True, engine=False, max_request_body_bytes=CAP)
@@ -87,9 +86,6 @@ def in_one_request(gw: GatewayServer, rows: list[list[int]], out: Path) -> dict[
     step = session.optim_step(ADAM)
     session.save_state({"dir": str(out), "optimizer": False})
     return {**fb, "grad_norm": step["metrics"]["grad_norm:mean"], "adapter": load_file(out / ADAPTER)}
-
-
-ADAPTER = "adapter_model.safetensors"
 
 
 async def forward_backward_requests(gw: GatewayServer, model_id: str) -> int:
@@ -145,13 +141,7 @@ def test_a_batch_over_one_requests_bounds_trains_as_one_request(
     assert stepped.metrics is not None
     assert stepped.metrics["grad_norm:mean"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
-    model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
-    adapter = load_file(
-        gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, SEGMENT["training"], name) / ADAPTER
-    )
-    assert adapter.keys() == want["adapter"].keys()
-    for key, value in adapter.items():
-        np.testing.assert_allclose(value, want["adapter"][key], atol=1e-6, err_msg=key)
+    assert_saved_adapter(gw.settings.blob_dir, org.org_id, saved.path, want["adapter"])
 
 
 # ---------------------------------------------------------------------------------------------- off the loop

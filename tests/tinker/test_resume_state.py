@@ -21,10 +21,9 @@ import tinker
 from safetensors.numpy import load_file
 from tinker import types
 
-from gateway.tinker.paths import SEGMENT, checkpoint_key, parse_tinker_path
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import GatewayServer, Tenant
-from tests.support.tinker import datum
+from tests.support.tinker import ADAPTER, assert_saved_adapter, datum
 
 gw = gateway_fixture("tinker-resume", own_database=True, engine=False)
 worker = worker_fixture(
@@ -37,7 +36,6 @@ ROWS = [
 ]
 ADAM = {"learning_rate": 0.01, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
 SEED = 7
-ADAPTER = "adapter_model.safetensors"
 RELEASE_S = 120.0
 """Longest wait for the worker to let an idle model go: the idle timeout, a save, a loaded machine."""
 
@@ -142,10 +140,4 @@ def test_a_model_let_go_between_its_calls_trains_as_one_never_let_go(
     assert [step.metrics["grad_norm:mean"], again.metrics["grad_norm:mean"]] == pytest.approx(
         want["grad_norms"], rel=1e-4
     )
-    model_id, _, name = parse_tinker_path(saved.path) or ("", "", "")
-    adapter = load_file(
-        gw.settings.blob_dir / checkpoint_key(org.org_id, model_id, SEGMENT["training"], name) / ADAPTER
-    )
-    assert adapter.keys() == want["adapter"].keys()
-    for key, value in adapter.items():
-        np.testing.assert_allclose(value, want["adapter"][key], atol=1e-6, err_msg=key)
+    assert_saved_adapter(gw.settings.blob_dir, org.org_id, saved.path, want["adapter"])
