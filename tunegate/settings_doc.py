@@ -1,7 +1,8 @@
 """`tunegate docs-settings`: the settings reference (`docs/settings.md`) made from the `Settings` class.
 
-Each field's docstring (the string literal under it in `gateway/settings.py`) is its documentation, so the
-reference cannot drift from the code; `tests/test_docs.py` checks the committed page against this output.
+Each field's docstring (the string literal under it in its concern's module of `gateway/settings/`) is its
+documentation, and each concern's class docstring introduces its section, so the reference cannot drift from
+the code; `tests/test_docs.py` checks the committed page against this output.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import ast
 import inspect
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
 from pydantic_core import PydanticUndefined
 
-from gateway.settings import Settings
+from gateway.settings import GROUPS, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -23,19 +25,23 @@ ENV_PREFIX = "TUNEGATE_"
 
 
 def field_docs(cls: type = Settings) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
+    """Field name -> the docstring written under it in the class body, or in the body of one of the classes
+    of the same package it inherits (a `Settings` concern)."""
+    package = cls.__module__.split(".")[0]
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:], strict=False):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.split(".")[0] != package:
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+        for node, after in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
 
@@ -69,9 +75,10 @@ def _type(name: str) -> str:
     text = getattr(annotation, "__name__", None) if not hasattr(annotation, "__args__") else None
     if text:
         return text
-    for prefix in ("typing.", "gateway.settings.", "pydantic.types."):
-        text = (text or str(annotation)).replace(prefix, "")
-    return text or ""
+    text = str(annotation)
+    for prefix in ("typing.", "pydantic.types."):
+        text = text.replace(prefix, "")
+    return re.sub(r"gateway\.settings\.(\w+\.)*", "", text)
 
 
 def env_name(field_name: str) -> str:
@@ -89,14 +96,19 @@ def settings_markdown() -> str:
         "`gateway.settings.Settings`. Each field comes from the environment variable shown, or its default.",
         "Structured values (dicts, lists) are JSON. Durations end in `_s` (seconds).",
         "",
-        "This page is generated: `python -m tunegate docs-settings > docs/settings.md`.",
+        "The settings are grouped by concern, one class of `gateway/settings/` each;",
+        "`Settings` inherits them all.",
         "",
-        "| variable | type | default | meaning |",
-        "|---|---|---|---|",
+        "This page is generated: `python -m tunegate docs-settings > docs/settings.md`.",
     ]
-    for name in Settings.model_fields:
-        doc = docs.get(name, "").replace("|", "\\|")
-        kind = _type(name).replace("|", "\\|")
-        default = _default(name).replace("|", "\\|")
-        lines.append(f"| `{env_name(name)}` | {kind} | {default} | {doc} |")
+    for group in GROUPS:
+        module = group.__module__.rsplit(".", 1)[-1]
+        intro = " ".join((group.__doc__ or "").split())
+        lines += ["", f"## {module.capitalize()} (`gateway/settings/{module}.py`)", "", intro, ""]
+        lines += ["| variable | type | default | meaning |", "|---|---|---|---|"]
+        for name in group.model_fields:
+            doc = docs.get(name, "").replace("|", "\\|")
+            kind = _type(name).replace("|", "\\|")
+            default = _default(name).replace("|", "\\|")
+            lines.append(f"| `{env_name(name)}` | {kind} | {default} | {doc} |")
     return "\n".join(lines) + "\n"
