@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,30 +114,49 @@ def leave_no_job(t: Tenant, job_id: str | None) -> None:
         t.client.fine_tuning.jobs.cancel(job_id)
 
 
+@dataclass
+class Contest:
+    """A model that holds the only slot, and another organisation's job that waits for it."""
+
+    tc: tinker.TrainingClient
+    before: list[np.ndarray]
+    """The model's log-probabilities of `DATA` once it trained."""
+    other: Tenant
+    job_id: str
+
+
+@contextmanager
+def contest(gw: GatewayServer, gw_admin: Admin, name: str, log: Path, **bounds: str) -> Iterator[Contest]:
+    """A worker of one slot with `bounds`, a model of organisation `<name>-a` that trained a step (so the
+    worker holds it) and a long job of `<name>-b` queued behind it; the job is cancelled unless it ended,
+    and the worker stopped, at the end."""
+    a, b = gw_admin.tenant(f"{name}-a"), gw_admin.tenant(f"{name}-b")
+    worker = one_slot_worker(gw, log, **bounds)
+    job_id = None
+    try:
+        service = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + a.key)
+        tc, before = trained_model(service)
+        job_id = long_sft_job(b, HELLO_SFT, steps=200).id
+        yield Contest(tc, before, b, job_id)
+    finally:
+        leave_no_job(b, job_id)
+        worker.stop()
+
+
 @pytest.mark.timeout(900)
 def test_a_busy_model_lets_the_slot_go_after_the_bound(
     gw: GatewayServer, gw_admin: Admin, tmp_path: Path
 ) -> None:
     """The model's client keeps sending requests (forward passes and optimizer steps that move nothing);
     past `tinker_max_hold_s` the slot goes to the job that waits."""
-    a, b = gw_admin.tenant("fair-busy-a"), gw_admin.tenant("fair-busy-b")
-    worker = one_slot_worker(
-        gw,
-        tmp_path / "worker.log",
-        TUNEGATE_TINKER_MAX_HOLD_S=str(BOUND_S),
-        TUNEGATE_TINKER_YIELD_IDLE_S=NEVER_S,
-    )
-    job_id = None
-    try:
-        service = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + a.key)
-        tc, before = trained_model(service)
-        job = long_sft_job(b, HELLO_SFT, steps=200)
-        job_id = job.id
+    bounds = {"TUNEGATE_TINKER_MAX_HOLD_S": str(BOUND_S), "TUNEGATE_TINKER_YIELD_IDLE_S": NEVER_S}
+    with contest(gw, gw_admin, "fair-busy", tmp_path / "worker.log", **bounds) as c:
+        tc, before, b = c.tc, c.before, c.other
         still = types.AdamParams(learning_rate=0.0)  # a step that changes no weight
         deadline = time.monotonic() + WAIT_S
         answered = 0
         pending: Any = None
-        while b.client.fine_tuning.jobs.retrieve(job.id).status != "running":
+        while b.client.fine_tuning.jobs.retrieve(c.job_id).status != "running":
             assert time.monotonic() < deadline, "the job never got the slot the busy model held"
             if pending is None:
                 forward = tc.forward(DATA, "cross_entropy")
@@ -147,15 +169,12 @@ def test_a_busy_model_lets_the_slot_go_after_the_bound(
             else:
                 time.sleep(0.05)
         assert answered > 0  # the model was busy when the job took the slot
-        assert_let_go_for(gw, tc, b, job.id)
+        assert_let_go_for(gw, tc, b, c.job_id)
         if pending is not None:  # asked while the job held the slot: answered once it was back
             same_weights(pending[0].result(timeout=300), before)
             pending[1].result(timeout=300)
         again = tc.forward_backward(DATA, "cross_entropy").result(timeout=300)
         same_weights(again, before)  # the state it was saved with, weights and all
-    finally:
-        leave_no_job(b, job_id)
-        worker.stop()
 
 
 @pytest.mark.timeout(900)
@@ -164,28 +183,14 @@ def test_an_idle_model_lets_the_slot_go_when_work_waits(
 ) -> None:
     """Idle past `tinker_yield_idle_s` while a job waits, the model lets the slot go long before its hold
     bound or its idle timeout (both out of reach here)."""
-    a, b = gw_admin.tenant("fair-idle-a"), gw_admin.tenant("fair-idle-b")
-    worker = one_slot_worker(
-        gw,
-        tmp_path / "worker.log",
-        TUNEGATE_TINKER_MAX_HOLD_S=NEVER_S,
-        TUNEGATE_TINKER_YIELD_IDLE_S=str(BOUND_S),
-    )
-    job_id = None
-    try:
-        service = tinker.ServiceClient(base_url=gw.url, api_key="tml-" + a.key)
-        tc, before = trained_model(service)
-        job = long_sft_job(b, HELLO_SFT, steps=200)
-        job_id = job.id
-        wait_for(b, job.id, states=("running",), timeout=WAIT_S)
-        assert_let_go_for(gw, tc, b, job.id)
-        out = tc.forward_backward(DATA, "cross_entropy").result(timeout=300)
-        same_weights(out, before)
-        step = tc.optim_step(types.AdamParams(learning_rate=0.02)).result(timeout=300)
+    bounds = {"TUNEGATE_TINKER_MAX_HOLD_S": NEVER_S, "TUNEGATE_TINKER_YIELD_IDLE_S": str(BOUND_S)}
+    with contest(gw, gw_admin, "fair-idle", tmp_path / "worker.log", **bounds) as c:
+        wait_for(c.other, c.job_id, states=("running",), timeout=WAIT_S)
+        assert_let_go_for(gw, c.tc, c.other, c.job_id)
+        out = c.tc.forward_backward(DATA, "cross_entropy").result(timeout=300)
+        same_weights(out, c.before)
+        step = c.tc.optim_step(types.AdamParams(learning_rate=0.02)).result(timeout=300)
         assert step is not None
-    finally:
-        leave_no_job(b, job_id)
-        worker.stop()
 
 
 # ------------------------------------------------------------------------------------------- the order
