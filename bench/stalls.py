@@ -34,6 +34,7 @@ import httpx
 
 from bench.common import Options, fmt, free_port, ratio, summary_ms
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway
+from inference.options import EngineOptions
 from tunegate.role_processes import EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -271,7 +272,11 @@ def run(opts: Options) -> dict[str, Any]:
     procs: list[Process] = []
     try:
         engine = EngineProcess(
-            {"tiny-chat": model}, free_port(), work / "engine.log", device="cpu", log_level="warning"
+            {"tiny-chat": model},
+            free_port(),
+            work / "engine.log",
+            options=EngineOptions(device="cpu"),
+            log_level="warning",
         )
         procs.append(engine)
         engine.wait_ready(120)

@@ -1,7 +1,8 @@
 """``python -m inference --model tiny-chat=/path/to/model [--model ...] --port 8100``: run the engine.
 
-The flags ``--max-loras``, ``--max-batch-size``, ``--device`` and ``--max-model-len`` fill in the engine's
-``EngineOptions`` (the others keep their defaults); ``serve`` runs ``create_app(models, options)``.
+Besides the models, host, port and log level, every flag fills in a field of the engine's ``EngineOptions``
+(``--max-loras``, ``--max-batch-size``, ``--device``, ``--max-model-len``...: ``inference.options.FLAGS``);
+``serve`` runs ``create_app(models, options)``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from inference.options import EngineOptions
+from inference.options import EngineOptions, add_flags
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", action="append", required=True, metavar="NAME=PATH", help="a base model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
-    defaults = EngineOptions()
-    parser.add_argument(
-        "--max-loras", type=int, default=defaults.max_loras, help="resident adapters per base model"
-    )
-    parser.add_argument(
-        "--max-batch-size", type=int, default=defaults.max_batch_size, help="rows in one batched generation"
-    )
-    parser.add_argument("--device", default=defaults.device, help="auto, cpu, cuda, cuda:1...")
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=defaults.max_model_len,
-        help="most tokens of prompt and completion in one request (default: each model's own context)",
-    )
+    add_flags(parser)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     try:
@@ -71,13 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    options = EngineOptions(
-        max_loras=args.max_loras,
-        max_batch_size=args.max_batch_size,
-        device=args.device,
-        max_model_len=args.max_model_len,
-    )
-    serve(models, args.host, args.port, options, log_level=args.log_level)
+    serve(models, args.host, args.port, EngineOptions.from_flags(args), log_level=args.log_level)
 
 
 if __name__ == "__main__":

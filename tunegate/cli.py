@@ -171,9 +171,10 @@ def inference(
 ) -> None:
     """Run the embedded inference engine (CPU or any torch device)."""
     from inference.__main__ import main as engine_main
+    from inference.options import EngineOptions
 
     argv = [a for m in model for a in ("--model", m)]
-    engine_main([*argv, "--host", host, "--port", str(port), "--max-loras", str(max_loras)])
+    engine_main([*argv, "--host", host, "--port", str(port), *EngineOptions(max_loras=max_loras).to_flags()])
 
 
 @app.command()

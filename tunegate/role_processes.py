@@ -2,8 +2,9 @@
 
 `GatewayProcess`, `WorkerProcess`, `EnvServerProcess` and `EngineProcess` run `python -m tunegate gateway`,
 `python -m tunegate worker`, `python -m tunegate env-server` and `python -m inference`; the first three get
-their settings as `TUNEGATE_*` variables (`child_env`). `wait_ready` returns once the gateway listens or the
-engine answers `/health`; `wait_registered` once the env server is registered in its pool.
+their settings as `TUNEGATE_*` variables (`child_env`), the engine its `EngineOptions` as flags.
+`wait_ready` returns once the gateway listens or the engine answers `/health`; `wait_registered` once the
+env server is registered in its pool.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Self
 
 from gateway.settings import Settings, settings_env
+from inference.options import EngineOptions
 from tunegate.processes import Process, wait_until
 
 
@@ -121,7 +123,8 @@ class EnvServerProcess(Process):
 
 
 class EngineProcess(Process):
-    """`python -m inference` serving `models` (name -> local folder) on `host`:`port`."""
+    """`python -m inference` serving `models` (name -> local folder) on `host`:`port` with `options` (the
+    engine's defaults when not given), passed as its flags (`EngineOptions.to_flags`)."""
 
     def __init__(
         self,
@@ -130,24 +133,18 @@ class EngineProcess(Process):
         log_path: Path | None = None,
         *,
         host: str = "127.0.0.1",
-        device: str | None = None,
+        options: EngineOptions | None = None,
         log_level: str | None = None,
-        max_loras: int | None = None,
-        max_model_len: int | None = None,
         launcher: Sequence[str] = (),
         cwd: Path | None = None,
         die_with_parent: bool = False,
     ) -> None:
         self.url = f"http://{host}:{port}"
+        self.options = options or EngineOptions()
         argv = [*launcher, sys.executable, "-m", "inference", "--host", host, "--port", str(port)]
         for name, path in models.items():
             argv += ["--model", f"{name}={path}"]
-        if device is not None:
-            argv += ["--device", device]
-        if max_loras is not None:
-            argv += ["--max-loras", str(max_loras)]
-        if max_model_len is not None:
-            argv += ["--max-model-len", str(max_model_len)]
+        argv += self.options.to_flags()
         if log_level is not None:
             argv += ["--log-level", log_level]
         super().__init__(argv, log_path, name="engine", cwd=cwd, die_with_parent=die_with_parent)

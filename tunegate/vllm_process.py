@@ -161,13 +161,11 @@ def engine_processes(
     install, reason = choose_vllm(settings)
     if install is None:
         log = log_dir / "engine.log" if log_dir is not None else None
-        options = embedded_options(settings)
         embedded = EngineProcess(
             models,
             settings.engine_port,
             log,
-            max_loras=options.max_loras,
-            max_model_len=options.max_model_len,
+            options=embedded_options(settings),
             die_with_parent=die_with_parent,
         )
         return EngineChoice("embedded", [embedded], {n: embedded.url for n in models}, reason)

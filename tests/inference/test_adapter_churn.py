@@ -31,6 +31,7 @@ import httpx
 import openai
 import pytest
 
+from inference.options import EngineOptions
 from tests.support.data import BASE, MESSAGES
 from tests.support.engine import ft_model, resources_of
 from tests.support.stack import GatewayServer, Services, Tenant, admin_of, start_gateway
@@ -106,9 +107,9 @@ def embedded_engine(
         {BASE: str(tiny_model_dir)},
         free_port(),
         tmp_path_factory.mktemp("churn-engine") / "engine.log",
-        device="cpu",
-        max_loras=VLLM_MAX_LORAS,
-        max_model_len=VLLM_SIZES["engine_max_model_len"],
+        options=EngineOptions(
+            device="cpu", max_loras=VLLM_MAX_LORAS, max_model_len=VLLM_SIZES["engine_max_model_len"]
+        ),
         die_with_parent=True,
     )
     try:

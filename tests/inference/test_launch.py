@@ -1,10 +1,11 @@
 """Launch surfaces: finding vLLM, its command line, the engine settings, and the embedded engine's command
-line."""
+line and its options' flags."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -17,10 +18,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+import inference.__main__ as engine_main
 from gateway.settings import Settings
 from inference.__main__ import parse_models
+from inference.options import FLAGS, EngineOptions, add_flags
 from inference.vllm import VllmInstall, VllmSizes, VllmUnavailable, find_vllm, gpus_listed, vllm_command
 from tunegate.processes import free_port
+from tunegate.role_processes import EngineProcess
 
 
 def _qwen2_dir(tmp_path: Path) -> Path:
@@ -123,6 +127,39 @@ def test_parse_models() -> None:
     assert parse_models(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
     with pytest.raises(argparse.ArgumentTypeError):
         parse_models(["nopath"])
+
+
+SOME_OPTIONS = EngineOptions(
+    max_loras=3,
+    max_batch_size=5,
+    device="cpu",
+    batch_window_s=0.01,
+    max_concurrent_batches=2,
+    default_max_tokens=64,
+    max_model_len=512,
+)
+
+
+def test_every_engine_option_has_a_flag_that_reads_it_back() -> None:
+    assert [flag.field for flag in FLAGS] == [field.name for field in dataclasses.fields(EngineOptions)]
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    assert EngineOptions.from_flags(parser.parse_args(SOME_OPTIONS.to_flags())) == SOME_OPTIONS
+    assert EngineOptions.from_flags(parser.parse_args([])) == EngineOptions()
+    assert "--max-model-len" not in EngineOptions().to_flags()
+
+
+def test_engine_process_runs_the_engine_with_its_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`EngineProcess`'s command line, parsed by `python -m inference`, gives back the options it was made
+    with (`true` runs in the engine's place)."""
+    engine = EngineProcess({"tiny-chat": tmp_path}, free_port(), options=SOME_OPTIONS, launcher=["true"])
+    engine.stop()
+    served: list[EngineOptions | None] = []
+    monkeypatch.setattr(engine_main, "serve", lambda *args, **kwargs: served.append(args[3]))
+    engine_main.main(engine.argv[engine.argv.index("inference") + 1 :])
+    assert served == [SOME_OPTIONS]
 
 
 TUNEGATE = Path(sys.executable).with_name("tunegate")
