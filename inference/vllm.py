@@ -103,7 +103,7 @@ def _installed(venv: Path) -> tuple[str, str] | None:
 
 def gpus_listed() -> int:
     """GPUs ``nvidia-smi`` lists (0 without the tool or a driver); the worker's ``devices=auto`` counts them
-    here too (``gateway.worker.devices``)."""
+    here too (``gateway.work.devices``)."""
     if shutil.which("nvidia-smi") is None:
         return 0
     try:

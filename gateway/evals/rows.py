@@ -64,22 +64,3 @@ class DoneItem:
     results: list[dict[str, Any]]
     usage: dict[str, dict[str, int]]
     sample_error: dict[str, Any] | None
-
-
-@dataclass(frozen=True, slots=True)
-class QueuedRun:
-    """A queued run no worker holds: what its queue message needs."""
-
-    id: str
-    queue_generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class StaleRun:
-    """A run whose worker stopped heartbeating."""
-
-    id: str
-    organization_id: str
-    attempts: int
-    worker_id: str
-    worker_key_id: str | None

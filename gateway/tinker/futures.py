@@ -78,9 +78,5 @@ async def _holder_lost(res: Resources, model_id: str) -> bool:
     held = await store.holder(res.pool, model_id=model_id, stale_s=res.settings.stale_after_s)
     if held is None or held.worker_id is None or held.alive:
         return False
-    reason = (
-        f"The worker holding model {model_id} stopped responding; its unsaved weights are lost. "
-        "Load your last saved state into a new training client."
-    )
-    await store.lose(res.pool, model_id=model_id, reason=reason)
+    await store.lose(res.pool, model_id=model_id, reason=store.lost_reason(model_id))
     return True
