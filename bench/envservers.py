@@ -207,9 +207,9 @@ def _session(
     import json
     import os
 
+    from trainer.contract import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
     from trainer.environment import EnvironmentSession
     from trainer.run import read_spec
-    from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
     from trainer.tiny import make_tiny_model
 
     os.environ[ENV_POOL_REDIS_ENV], os.environ[ENV_POOL_NAME_ENV] = redis_url, pool
@@ -292,8 +292,8 @@ def _pipelining(
     import json
     import os
 
+    from trainer.contract import ENV_POOL_REDIS_ENV
     from trainer.environment import EnvironmentSession
-    from trainer.spec import ENV_POOL_REDIS_ENV
 
     root = Path(__file__).resolve().parents[1]
     rows = [

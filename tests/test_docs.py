@@ -62,7 +62,7 @@ def test_relative_links_resolve() -> None:
 
 
 def test_every_hyperparameter_is_in_training_md() -> None:
-    from trainer.spec import HYPERPARAMETERS
+    from trainer.contract import HYPERPARAMETERS
 
     page = (DOCS / "training.md").read_text()
     names = {name for model in HYPERPARAMETERS.values() for name in model.model_fields}

@@ -1,5 +1,5 @@
 """Imports point one way: the data planes (`trainer`, `inference`) and `envsdk` never import the gateway, the
-gateway reaches into `trainer` only through its dependency-light contract, `trainer.spec`, `bench` never
+gateway reaches into `trainer` only through its dependency-light contract, `trainer.contract`, `bench` never
 imports `tests`, and no module of the project imports itself through others (no import cycle)."""
 
 from __future__ import annotations
@@ -48,19 +48,23 @@ def test_envsdk_and_inference_stand_alone() -> None:
 
 def test_the_gateway_knows_the_trainer_only_by_its_contract() -> None:
     def allowed(name: str) -> bool:
-        return not name.startswith("trainer") or name == "trainer.spec" or name.startswith("trainer.spec.")
+        return (
+            not name.startswith("trainer")
+            or name == "trainer.contract"
+            or name.startswith("trainer.contract.")
+        )
 
     assert offenders("gateway", allowed) == []
 
 
 def test_the_contract_needs_nothing_heavy() -> None:
     found = imported_modules("trainer")
-    contract = [path for path in found if path.startswith("trainer/spec/")]
-    assert "trainer/spec/__init__.py" in contract
+    contract = [path for path in found if path.startswith("trainer/contract/")]
+    assert "trainer/contract/__init__.py" in contract
     for path in contract:
         names = found[path]
         heavy = {n for n in names if n.split(".")[0] in ("torch", "transformers", "trl", "peft", "datasets")}
-        outside = {n for n in names if n.startswith("trainer.") and not n.startswith("trainer.spec")}
+        outside = {n for n in names if n.startswith("trainer.") and not n.startswith("trainer.contract")}
         assert heavy == set() and outside == set(), path
 
 

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envsdk.errors import EnvSDKError, SandboxError
+from trainer.contract import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.generation import generate_turn as _generate
 from trainer.generation import stop_ids
-from trainer.spec import TrainerSpec
 from trainer.turns import assistant_message, assistant_turn_ids, suffix_ids, template_ids
 
 logger = logging.getLogger(__name__)

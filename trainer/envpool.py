@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from envsdk.manifest import Maxima
-from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV, TrainerSpec
+from trainer.contract import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV, TrainerSpec
 
 if TYPE_CHECKING:
     from envsdk.remote import RemoteSandbox

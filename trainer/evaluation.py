@@ -21,8 +21,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from trainer.contract import TrainerSpec
 from trainer.data import ITEM_COLUMN
-from trainer.spec import TrainerSpec
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession

@@ -1,6 +1,6 @@
 """JSON-lines events on stdout: the trainer's only channel to the worker that spawned it.
 
-Every event is one :data:`trainer.spec.TrainerEvent` as one JSON object on one line, flushed at once.
+Every event is one :data:`trainer.contract.TrainerEvent` as one JSON object on one line, flushed at once.
 Nothing else may reach stdout, so ``EventWriter.claim_stdout()`` points ``sys.stdout`` at stderr (library
 prints and progress bars go there) and keeps the real stdout for events. NaN and infinite numbers become
 ``null``.
@@ -18,7 +18,7 @@ from typing import Any, Literal, TextIO
 
 from pydantic import BaseModel
 
-from trainer import spec
+from trainer import contract
 
 logger = logging.getLogger(__name__)
 
@@ -71,29 +71,29 @@ class EventWriter:
     ) -> None:
         """A human-readable milestone (``data``: numbers that go with it)."""
         logger.info("%s", message)
-        self.emit(spec.MessageEvent(level=level, message=message, step=step, data=data))
+        self.emit(contract.MessageEvent(level=level, message=message, step=step, data=data))
 
     def metrics(self, step: int, total_steps: int, data: dict[str, Any]) -> None:
         """The numbers of one training step."""
-        self.emit(spec.MetricsEvent(step=step, total_steps=total_steps, data=data))
+        self.emit(contract.MetricsEvent(step=step, total_steps=total_steps, data=data))
 
     def checkpoint(self, step: int, path: str, metrics: dict[str, Any]) -> None:
         """A resumable checkpoint (also loadable as a LoRA adapter) was written."""
-        self.emit(spec.CheckpointEvent(step=step, path=path, metrics=metrics))
+        self.emit(contract.CheckpointEvent(step=step, path=path, metrics=metrics))
 
     def result(self, adapter_path: str, trained_tokens: int, steps: int, metrics: dict[str, Any]) -> None:
         """The job finished; the final adapter is at ``adapter_path``."""
         self.emit(
-            spec.ResultEvent(
+            contract.ResultEvent(
                 adapter_path=adapter_path, trained_tokens=trained_tokens, steps=steps, metrics=metrics
             )
         )
 
     def stopped(self, step: int, checkpoint: str | None) -> None:
         """The job stopped on SIGTERM after saving ``checkpoint``."""
-        self.emit(spec.StoppedEvent(step=step, checkpoint=checkpoint))
+        self.emit(contract.StoppedEvent(step=step, checkpoint=checkpoint))
 
     def error(self, code: str, message: str) -> None:
         """The job failed; ``message`` is one line without a traceback."""
         one_line = " ".join(str(message).split())[:2000]
-        self.emit(spec.ErrorEvent(code=code, message=one_line))
+        self.emit(contract.ErrorEvent(code=code, message=one_line))

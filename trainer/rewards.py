@@ -26,9 +26,9 @@ from envsdk.graders import GraderError, GradeResult, grade, make_sample, model_f
 from envsdk.inference_client import InferenceClient
 from envsdk.manifest import Maxima
 from envsdk.python_grader import PythonGraders
+from trainer.contract import INFERENCE_KEY_ENV, TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
-from trainer.spec import INFERENCE_KEY_ENV, TrainerSpec
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession

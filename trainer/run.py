@@ -17,10 +17,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.distributed import is_main, world_size
-from trainer.errors import TrainerError
-from trainer.events import EventWriter
-from trainer.spec import (
+from trainer.contract import (
     REQUEST,
     AnyHyperparameters,
     DataSummary,
@@ -31,6 +28,9 @@ from trainer.spec import (
     model_defaults,
     resolve,
 )
+from trainer.distributed import is_main, world_size
+from trainer.errors import TrainerError
+from trainer.events import EventWriter
 
 if TYPE_CHECKING:
     from trainer.environment import EnvironmentSession
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def read_spec(path: str | Path) -> TrainerSpec:
     """Read and check ``SPEC.json``; ``invalid_spec`` names the first problem.
 
-    Hyperparameters left out or ``"auto"`` are resolved as the gateway resolves them (``trainer.spec``),
+    Hyperparameters left out or ``"auto"`` are resolved as the gateway resolves them (``trainer.contract``),
     from the sizes of the data files and the base model's defaults.
     """
     from pydantic import ValidationError

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from trainer.spec import tinker_loss_error
+from trainer.contract import tinker_loss_error
 
 
 class LossInputError(ValueError):

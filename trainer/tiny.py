@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from trainer.spec import DEFAULTS_FILE
+from trainer.contract import DEFAULTS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ TRAINING_DEFAULTS: dict[str, Any] = {
         "reinforcement": {"batch_size": 8, "num_generations": 8, "max_completion_length": 16, "min_steps": 60}
     },
 }
-"""What "auto" means for `tiny-chat` (``tunegate_defaults.json``, see ``trainer.spec``), measured on it."""
+"""What "auto" means for `tiny-chat` (``tunegate_defaults.json``, see ``trainer.contract``), measured on
+it."""
 MODEL_FILES = (
     "config.json",
     "tunegate_defaults.json",

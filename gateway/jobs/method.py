@@ -1,5 +1,5 @@
 """A fine-tuning job's method, typed: supervised, dpo or reinforcement, each with its hyperparameters (the
-training contract's own request models, `trainer.spec.REQUEST`: `"auto"` or a number), and for
+training contract's own request models, `trainer.contract.REQUEST`: `"auto"` or a number), and for
 reinforcement its grader or its environment.
 
 One `JobMethod` goes from the create (`gateway.jobs.validation.parse_method`) to the row (`JobRow.method`,
@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, field_validator
 
-from trainer.spec import REQUEST
+from trainer.contract import REQUEST
 
 
 class EnvironmentRef(BaseModel):
@@ -33,7 +33,7 @@ class _Body(BaseModel):
 
     KIND: ClassVar[str]
     hyperparameters: SerializeAsAny[BaseModel] = Field(default=None, validate_default=True)
-    """The method's `trainer.spec.REQUEST` model (`"auto"` or numbers), or its resolved model."""
+    """The method's `trainer.contract.REQUEST` model (`"auto"` or numbers), or its resolved model."""
 
     @field_validator("hyperparameters", mode="before")
     @classmethod

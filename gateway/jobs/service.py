@@ -40,7 +40,7 @@ from gateway.usage import service as usage_service
 from gateway.usage.pricing import training_cost
 from gateway.work import store as work_store
 from gateway.work.devices import generation_devices
-from trainer.spec import AnyHyperparameters, Hyperparameters, devices_for, model_defaults, total_steps
+from trainer.contract import AnyHyperparameters, Hyperparameters, devices_for, model_defaults, total_steps
 
 logger = logging.getLogger(__name__)
 

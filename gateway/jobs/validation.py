@@ -1,6 +1,6 @@
 """Checks of a job create: the method and its hyperparameters, and the training rows per method.
 
-Hyperparameters are the training contract's own models (`trainer.spec`): their ranges, their defaults and
+Hyperparameters are the training contract's own models (`trainer.contract`): their ranges, their defaults and
 how `"auto"` is resolved are defined there once. `"auto"` is resolved here, from the training and validation
 files' sizes and the base model's measured defaults, so the job object shows the values training will use.
 """
@@ -18,7 +18,7 @@ from envsdk.graders import GraderError, validate_grader
 from gateway.errors import InvalidRequest, validation_failure, validation_text
 from gateway.files.validation import read_rows
 from gateway.jobs.method import METHOD, EnvironmentRef, JobMethod
-from trainer.spec import (
+from trainer.contract import (
     METHODS,
     REQUEST,
     AnyHyperparameters,
@@ -259,8 +259,8 @@ def resolve_hyperparameters(
     validation: DatasetSummary | None,
     model_path: Path,
 ) -> AnyHyperparameters:
-    """Every `"auto"` replaced by the number training will use (`trainer.spec.resolve`); `param`: where the
-    request gave the hyperparameters (`hyperparameters_param`)."""
+    """Every `"auto"` replaced by the number training will use (`trainer.contract.resolve`); `param`: where
+    the request gave the hyperparameters (`hyperparameters_param`)."""
     data = DataSummary(rows=summary.rows, validation_rows=validation.rows if validation else None)
     try:
         return resolve(method.type, method.hyperparameters, data, model_defaults(model_path))

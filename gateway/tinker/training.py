@@ -25,7 +25,7 @@ from gateway.tinker import protocol as p
 from gateway.tinker.paths import RUN_TINKER_MODEL, model_id_of, sampler_id_of, valid_name
 from gateway.tinker.rows import TrainingModelRow
 from gateway.tinker.wire_fields import MAX_FIELDS
-from trainer.spec import tinker_loss_error
+from trainer.contract import tinker_loss_error
 
 FIELDS_A_DATUM = 64
 """Protocol buffer fields a datum may take for the SDK's batches to stay within the decoder's bound

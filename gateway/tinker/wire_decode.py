@@ -24,7 +24,7 @@ import orjson
 
 from gateway.tinker.wire import ForwardBackwardRequest, WireError
 from gateway.tinker.wire_fields import check_fields
-from trainer.spec import model_defaults, tinker_required_inputs
+from trainer.contract import model_defaults, tinker_required_inputs
 
 _DTYPES: dict[int, np.dtype[Any]] = {1: np.dtype(np.float32), 2: np.dtype(np.int64), 3: np.dtype(np.int32)}
 """DTYPE_FLOAT32, DTYPE_INT64 (what the SDK sends) and DTYPE_INT32."""

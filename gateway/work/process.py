@@ -12,7 +12,7 @@ import os
 import signal
 from pathlib import Path
 
-from trainer.spec import INFERENCE_KEY_ENV
+from trainer.contract import INFERENCE_KEY_ENV
 
 _PR_SET_PDEATHSIG = 1
 

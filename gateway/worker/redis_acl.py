@@ -50,7 +50,7 @@ from envsdk.remote_wire import (
     org_prefix,
     pool_key,
 )
-from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
+from trainer.contract import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
 
 logger = logging.getLogger(__name__)
 

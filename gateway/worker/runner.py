@@ -46,7 +46,7 @@ from gateway.worker.job.ingest import Ingest, Progress
 from gateway.worker.job.metering import Meter
 from gateway.worker.job.process import RunOutcome, TrainerProcess
 from gateway.worker.job.spec import calls_models, fine_tuned_model_name, write_spec
-from trainer.spec import ErrorEvent, ResultEvent
+from trainer.contract import ErrorEvent, ResultEvent
 
 logger = logging.getLogger(__name__)
 

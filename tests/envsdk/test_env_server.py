@@ -38,10 +38,10 @@ from gateway.worker import redis_acl
 from gateway.worker.redis_acl import PoolGrant
 from tests.support.stack import Services
 from tests.trainer.conftest import make_spec
+from trainer.contract import TrainerSpec
 from trainer.data import ITEM_COLUMN
 from trainer.errors import TrainerError
 from trainer.run import read_spec
-from trainer.spec import TrainerSpec
 from tunegate.role_processes import EnvServerProcess
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envs"

@@ -26,7 +26,7 @@ from envsdk.archive import pack
 from tests.support.data import BASE, HELLO_SFT, RFT, SAYS_YES
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of, start_gateway
-from trainer.spec import base_learning_rate, model_defaults
+from trainer.contract import base_learning_rate, model_defaults
 
 MESSAGES: Any = [{"role": "user", "content": "Say hi."}]
 JOB = {"model": "tiny-chat", "training_file": "file-x"}

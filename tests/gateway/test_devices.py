@@ -32,7 +32,7 @@ from tests.support.jobs import (
     wait_trainer_gone,
 )
 from tests.support.stack import GatewayServer, Tenant, WorkerProcess, admin_of
-from trainer.spec import ModelDefaults, devices_for, estimate_parameters
+from trainer.contract import ModelDefaults, devices_for, estimate_parameters
 
 # ---- the pieces, without a stack -------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from tests.gateway.test_environments import upload_package, write_package
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics, trainer_processes, upload_rows, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
-from trainer.spec import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
+from trainer.contract import ENV_POOL_NAME_ENV, ENV_POOL_ORG_ENV, ENV_POOL_REDIS_ENV
 from tunegate.role_processes import EnvServerProcess
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
 from tests.support.jobs import all_events, graded_rl_job, trainer_processes, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
-from trainer.spec import INFERENCE_KEY_ENV
+from trainer.contract import INFERENCE_KEY_ENV
 
 STALE_S = 3.0
 AUTH_CACHE_S = 1.0

@@ -1,4 +1,4 @@
-"""Ingesting events: the trainer's typed progress events (`trainer.spec`, parsed by the process stage) to
+"""Ingesting events: the trainer's typed progress events (`trainer.contract`, parsed by the process stage) to
 rows, and the attempt's progress as the trainer reported it.
 
 Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
@@ -22,7 +22,7 @@ from gateway.jobs.store import JobRow
 from gateway.serving.versions import adapter_version
 from gateway.worker.context import JobContext
 from gateway.worker.job.spec import fine_tuned_model_name
-from trainer.spec import CheckpointEvent, MessageEvent, MetricsEvent
+from trainer.contract import CheckpointEvent, MessageEvent, MetricsEvent
 
 ProgressEvent = MetricsEvent | CheckpointEvent | MessageEvent
 """The events a run records as it goes; `result`, `error` and `stopped` end it instead."""

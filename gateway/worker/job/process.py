@@ -2,7 +2,7 @@
 the job, and stop the trainer when the job is cancelled or paused.
 
 The trainer dies with the worker (`PR_SET_PDEATHSIG`) and gets an environment of its own
-(:func:`trainer_env`). Each stdout line is one `TrainerEvent`, parsed by `trainer.spec.EVENT`: progress
+(:func:`trainer_env`). Each stdout line is one `TrainerEvent`, parsed by `trainer.contract.EVENT`: progress
 events go to the caller's `record` (retried while PostgreSQL is away), and the last `result`, `error` or
 `stopped` ends the run; a trainer that exits without one has crashed, and its stderr's tail says why.
 
@@ -13,7 +13,7 @@ While the job runs, each beat also calls the caller's `on_running` (the budget c
 A job whose grader calls a model (`score_model`, `label_model`) gets a key minted for its organisation
 (`gateway.tenancy.scoped`, kind `job`) for the life of its trainer: the trainer's model graders call the
 gateway's own `/v1/chat/completions` with it (`inference_base_url` in the spec, the key in the trainer's
-environment, `trainer.spec.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
+environment, `trainer.contract.INFERENCE_KEY_ENV`), never an engine, so the grader's model must be the
 organisation's, and its calls are rate-limited, held to the budget and metered under the key's id. The
 heartbeat renews the key; it is revoked when the trainer ends (however it ends), and by the reaper that takes
 the job back from a worker that died first (`gateway.work.lease.reap_stale`, which finds it by its name,
@@ -56,7 +56,7 @@ from gateway.work.resilience import until_database_answers
 from gateway.worker import redis_acl
 from gateway.worker.context import JobContext
 from gateway.worker.job.ingest import Progress, ProgressEvent
-from trainer.spec import (
+from trainer.contract import (
     EVENT,
     ErrorEvent,
     ResultEvent,

@@ -18,7 +18,7 @@ from gateway.jobs import running
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
 from gateway.worker.context import JobContext
-from trainer.spec import TrainerSpec
+from trainer.contract import TrainerSpec
 
 
 def calls_models(job: JobRow) -> bool:

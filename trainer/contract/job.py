@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.spec.hyperparameters import HYPERPARAMETERS, AnyHyperparameters, Method, _Strict
+from trainer.contract.hyperparameters import HYPERPARAMETERS, AnyHyperparameters, Method, _Strict
 
 
 class EnvironmentSpec(_Strict):

@@ -15,7 +15,7 @@ Learning rates are ``learning_rate_multiplier x`` the base model's base learning
 
 from __future__ import annotations
 
-from trainer.spec.events import (
+from trainer.contract.events import (
     EVENT,
     CheckpointEvent,
     ErrorEvent,
@@ -25,7 +25,7 @@ from trainer.spec.events import (
     StoppedEvent,
     TrainerEvent,
 )
-from trainer.spec.hyperparameters import (
+from trainer.contract.hyperparameters import (
     DEFAULTS_FILE,
     DEVICES_BY_SIZE,
     ENV_POOL_NAME_ENV,
@@ -58,11 +58,11 @@ from trainer.spec.hyperparameters import (
     resolve,
     total_steps,
 )
-from trainer.spec.job import (
+from trainer.contract.job import (
     EnvironmentSpec,
     TrainerSpec,
 )
-from trainer.spec.tinker import (
+from trainer.contract.tinker import (
     TINKER_LOSSES,
     TINKER_REFUSED_LOSSES,
     tinker_loss_error,
