@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON report goes")
     parser.add_argument(
+        "--venv-dir",
+        type=Path,
+        default=None,
+        help="venv cache of environment packages (default: under the work dir)",
+    )
+    parser.add_argument(
         "--markdown",
         type=Path,
         default=None,
@@ -37,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown bench(es): {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    opts = Options(quick=args.quick, workdir=args.results_dir / "work", profile=args.profile)
+    opts = Options(
+        quick=args.quick, workdir=args.results_dir / "work", profile=args.profile, venv_dir=args.venv_dir
+    )
     report = run_benches(names, opts)
     path = write_report(report, results_dir=args.results_dir, markdown_path=args.markdown)
     print(path)

@@ -30,6 +30,9 @@ class Options:
     """Scratch directory (models, adapters, databases' blobs)."""
     profile: bool = False
     """Also sample the gateway with py-spy under load and report where its time goes."""
+    venv_dir: Path | None = None
+    """Where environment packages' venvs are built and kept (`formats`); None: under `workdir`. A cache
+    kept from an earlier run (or shared with a stack's `TUNEGATE_ENV_VENV_DIR`) spares building them again."""
 
 
 def cpu_seconds(pid: int) -> float:

@@ -236,7 +236,7 @@ def _compare(name: str, case: Case, opts: Options, builder: Any) -> dict[str, An
 def run(opts: Options) -> dict[str, Any]:
     from envsdk.venvs import VenvBuilder
 
-    builder = VenvBuilder(opts.workdir / "formats" / "venvs")
+    builder = VenvBuilder(opts.venv_dir or opts.workdir / "formats" / "venvs")
     return {"formats": {name: _compare(name, case, opts, builder) for name, case in CASES.items()}}
 
 

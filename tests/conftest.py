@@ -34,6 +34,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def venv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of environment packages' venvs for the whole run, so that each framework's requirement set
+    is built once: the envsdk tests' builder, every test gateway and its workers (`gateway_fixture`) and the
+    formats bench (`tests/test_bench.py`) share it. Tests of building itself use caches of their own."""
+    return tmp_path_factory.mktemp("venvs")
+
+
+@pytest.fixture(scope="session")
 def database(services: Services) -> Iterator[str]:
     with scratch_database(services.pg_dsn, "tunegate_test") as dsn:
         yield dsn

@@ -118,8 +118,9 @@ def test_sandbox_bench_compares_with_in_process(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(1200)
-def test_formats_bench_compares_an_adapter_with_native(tmp_path: Path) -> None:
-    f = run_quick("formats", tmp_path, timeout_s=1100)  # four frameworks' venvs built first (about 1 GB)
+def test_formats_bench_compares_an_adapter_with_native(tmp_path: Path, venv_dir: Path) -> None:
+    # the four frameworks' venvs (about 1 GB) from the session's cache, where earlier tests built them
+    f = run_quick("formats", tmp_path, timeout_s=1100, extra=["--venv-dir", str(venv_dir)])
     assert "error" not in f, f.get("traceback")
     assert set(f["formats"]) == {"trl", "openenv", "verifiers", "atropos"}
     for name, r in f["formats"].items():
@@ -154,11 +155,14 @@ def test_metering_bench_loses_no_usage(report: dict[str, Any]) -> None:
     assert alone["written"] == alone["recorded"] == alone["rows_in_database"] > 0 and alone["dropped"] == 0
 
 
-def run_quick(name: str, tmp_path: Path, timeout_s: float = 280) -> dict[str, Any]:
-    """Run one bench in quick mode (its summary into `tmp_path/B.md`); returns its part of the report."""
+def run_quick(
+    name: str, tmp_path: Path, timeout_s: float = 280, extra: list[str] | None = None
+) -> dict[str, Any]:
+    """Run one bench in quick mode (its summary into `tmp_path/B.md`, `extra` arguments after its own);
+    returns its part of the report."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench", name, "--quick", "--results-dir", str(tmp_path)]
-        + ["--markdown", str(tmp_path / "B.md")],
+        + ["--markdown", str(tmp_path / "B.md"), *(extra or [])],
         cwd=ROOT,
         capture_output=True,
         text=True,

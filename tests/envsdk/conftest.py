@@ -23,9 +23,10 @@ def sandbox_backend() -> str:
 
 
 @pytest.fixture(scope="session")
-def builder(tmp_path_factory: pytest.TempPathFactory) -> VenvBuilder:
-    """One venv cache for the sandboxed tests of packages with requirements: each set is built once."""
-    return VenvBuilder(tmp_path_factory.mktemp("venvs"))
+def builder(venv_dir: Path) -> VenvBuilder:
+    """The session's venv cache (`venv_dir`), for the sandboxed tests of packages with requirements: each
+    set is built once in the whole run."""
+    return VenvBuilder(venv_dir)
 
 
 @pytest.fixture

@@ -56,8 +56,10 @@ def gateway_fixture(
             engine_fixture = engine if isinstance(engine, str) else "engine"
             upstreams = [request.getfixturevalue(engine_fixture).url] if engine else []
             data_dir = tmp_path_factory.mktemp(f"{label}-data")
+            # Environment packages' venvs in the session's cache, unless the module names a cache
+            overrides = {"env_venv_dir": request.getfixturevalue("venv_dir"), **settings}
             server = start_gateway(
-                services, database, tiny_model_dir, data_dir, upstreams=upstreams, **settings
+                services, database, tiny_model_dir, data_dir, upstreams=upstreams, **overrides
             )
             stack.callback(server.stop)
             yield server
