@@ -234,9 +234,10 @@ def map_infrastructure_error(exc: BaseException) -> APIError | None:
     refused = isinstance(exc, asyncpg.TooManyConnectionsError) or (
         type(exc) is asyncpg.ObjectNotInPrerequisiteStateError
     )
-    if refused or isinstance(
-        exc, asyncpg.PostgresConnectionError | asyncpg.InterfaceError | asyncpg.CannotConnectNowError
-    ):
+    # A connection the server ended under a query in flight can also surface as asyncpg's own state error
+    # (`InternalClientError`: "cannot switch to state ..."): the pool drops it like any lost connection.
+    lost = asyncpg.PostgresConnectionError | asyncpg.InterfaceError | asyncpg.CannotConnectNowError
+    if refused or isinstance(exc, lost | asyncpg.InternalClientError):
         return ServiceUnavailable(
             "The database is unavailable; retry shortly.",
             code="database_unavailable",
