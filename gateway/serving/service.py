@@ -277,6 +277,8 @@ async def stream(
         )
         rewriter.saw_done = True
     finally:
+        if status == 499 and rewriter.saw_done:
+            status = 200  # the client had the whole stream, `[DONE]` included, and left before its last bytes
         up.release(_adapter(target))
         await resp.aclose()
         usage = rewriter.usage
