@@ -127,7 +127,9 @@ async def test_unload_while_running_waits_for_the_batch(
     engine: ModelEngine, adapter_dirs: list[Path]
 ) -> None:
     await asyncio.to_thread(engine.load_adapter, "busy", str(adapter_dirs[0]))
-    req = engine.submit(_request(engine, PROMPTS[0], "busy", temperature=0.0, max_tokens=200))
+    # all of its tokens (no end of turn), so the batch outlasts the unload on any machine
+    params = {"temperature": 0.0, "max_tokens": 1000, "ignore_eos": True}
+    req = engine.submit(_request(engine, PROMPTS[0], "busy", **params))
     events = req.events()
     await anext(events)  # the batch is running and has the adapter pinned
     key = engine.registry.known["busy"].key
