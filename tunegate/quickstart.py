@@ -55,6 +55,16 @@ EXACT = {
     "operation": "eq",
 }
 """The held-out eval's criterion: the answer is exactly the number."""
+QUESTION_ITEMS: dict[str, Any] = {
+    "type": "custom",
+    "item_schema": {
+        "type": "object",
+        "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
+        "required": ["question", "answer"],
+    },
+    "include_sample_schema": True,
+}
+"""The held-out eval's items: a question and its answer, both text (its `data_source_config`)."""
 SERVED_BY = re.compile(r"^(?P<models>.+): served by (?P<engine>.+) at (?P<url>https?://\S+)$")
 """A line of `tunegate up` naming the engine that serves some base models."""
 
@@ -255,15 +265,7 @@ def compare_on_heldout(
     items = [{"question": question_of(t), "answer": str(t["answer"])} for t in heldout]
     ev = client.evals.create(
         name="arithmetic held-out",
-        data_source_config={
-            "type": "custom",
-            "item_schema": {
-                "type": "object",
-                "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
-                "required": ["question", "answer"],
-            },
-            "include_sample_schema": True,
-        },
+        data_source_config=QUESTION_ITEMS,  # type: ignore[arg-type]
         testing_criteria=[EXACT],  # type: ignore[list-item]
     )
     report.eval_id = ev.id

@@ -34,17 +34,10 @@ from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant, WorkerProcess
+from tunegate.quickstart import QUESTION_ITEMS
 
 QUESTIONS = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
-CONFIG: Any = {
-    "type": "custom",
-    "item_schema": {
-        "type": "object",
-        "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
-        "required": ["question", "answer"],
-    },
-    "include_sample_schema": True,
-}
+CONFIG: Any = QUESTION_ITEMS  # items of a question and its answer, as the quickstart's held-out eval has
 EXACT: Any = {
     "type": "string_check",
     "name": "exact",

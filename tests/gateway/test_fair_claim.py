@@ -17,6 +17,7 @@ from gateway.tenancy import store as tenancy_store
 from gateway.tinker import store as tinker_store
 from gateway.work import store
 from gateway.work.store import Work
+from tests.support.work import waiting_model
 
 
 async def _org(pool: asyncpg.Pool, name: str) -> str:
@@ -32,19 +33,6 @@ async def _queued_job(pool: asyncpg.Pool, org_id: str, gpus: int = 1) -> str:
     queue = "UPDATE fine_tuning_jobs SET status = 'queued', queued_at = now() WHERE id = $1"
     await pool.execute(queue, job.id)
     return str(job.id)
-
-
-async def _waiting_model(pool: asyncpg.Pool, org_id: str, name: str) -> str:
-    """A Tinker model with one open request and no holder."""
-    model_id = f"ts-{name}:train:0"
-    await tinker_store.create_model(
-        pool, model_id=model_id, org_id=org_id, key_id="key", session_id=f"ts-{name}", base_model="tiny-chat",
-        rank=4, lora_config={"rank": 4}, metadata=None,
-    )  # fmt: skip
-    await tinker_store.add_request(
-        pool, request_id=f"tr-{name}", org_id=org_id, model_id=model_id, kind="forward_backward", payload={}
-    )
-    return model_id
 
 
 async def _take(pool: asyncpg.Pool, free: int = 1) -> Work | None:
@@ -64,10 +52,10 @@ async def test_jobs_and_tinker_models_share_one_fair_order(migrated_pool: asyncp
     a1 = await _queued_job(pool, a)
     assert await _take(pool) == Work("job", a1)  # a is running one job now
     a2 = await _queued_job(pool, a)
-    b1 = await _waiting_model(pool, b, "b1")
+    b1 = await waiting_model(pool, b, "b1")
     # b runs nothing: its model goes before a's second job, although that job waited longer
     assert await _take(pool) == Work("tinker", b1)
-    c1 = await _waiting_model(pool, c, "c1")
+    c1 = await waiting_model(pool, c, "c1")
     b2 = await _queued_job(pool, b)
     assert await _take(pool) == Work("tinker", c1)  # c runs nothing
     # a, b and c each run one: a started least recently, then b, then c
@@ -82,12 +70,12 @@ async def test_only_work_that_fits_and_can_be_held_is_taken(migrated_pool: async
     pool = migrated_pool
     a, b = [await _org(pool, name) for name in ("fits-a", "fits-b")]
     big = await _queued_job(pool, a, gpus=2)
-    lost = await _waiting_model(pool, b, "lost")
+    lost = await waiting_model(pool, b, "lost")
     await tinker_store.lose(pool, model_id=lost, reason="its holder died")
     assert await store.fairest(pool, free=1) is None  # the job needs two devices; a lost model has no weights
     assert await store.fairest(pool, free=0) is None
     assert await store.fairest(pool, free=2) == Work("job", big)
-    held = await _waiting_model(pool, b, "held")
+    held = await waiting_model(pool, b, "held")
     assert await tinker_store.claim(pool, model_id=held, worker_id="w") is not None
     assert await store.fairest(pool, free=1) is None  # a held model waits for no one
     # a job another worker claimed between the choice and the claim is not claimed twice

@@ -8,15 +8,9 @@ import httpx
 import pytest
 
 from tests.support.stack import GatewayServer, Tenant
+from tunegate.quickstart import EXACT
 
 ITEM = {"answer": "Paris", "n": 3}
-EXACT = {
-    "type": "string_check",
-    "name": "exact",
-    "input": "{{ sample.output_text }}",
-    "reference": "{{ item.answer }}",
-    "operation": "eq",
-}
 FUZZY = {
     "type": "text_similarity",
     "name": "fuzzy",

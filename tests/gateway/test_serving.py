@@ -20,25 +20,10 @@ import openai
 import pytest
 
 from gateway.serving.versions import adapter_version
-from tests.support.data import BASE, MESSAGES
+from tests.support.data import BASE, MESSAGES, TOOLS
 from tests.support.engine import EngineServer, make_lora_adapter, register_model, resources_of
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, free_port, start_gateway
-
-TOOLS: Any = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
 
 
 @pytest.fixture(scope="module")

@@ -23,22 +23,7 @@ import httpx
 import openai
 import pytest
 
-MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-]
-
+from tests.support.data import MESSAGES, TOOLS
 
 TOOL_CALL_ID_PREFIX = {"embedded": "call_", "vllm": "chatcmpl-tool-"}
 """How tool call ids start: OpenAI's and the embedded engine's with ``call_``, vLLM's (0.32) with

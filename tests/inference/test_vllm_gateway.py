@@ -42,6 +42,7 @@ from tests.support.jobs import FINAL_STATES, upload_rows
 from tests.support.stack import Admin, GatewayServer, Tenant
 from tests.support.tinker import datum
 from tests.support.vllm import vllm_gateway_fixture
+from tunegate.quickstart import QUESTION_ITEMS
 from tunegate.vllm_process import VllmEngineProcess
 
 pytestmark = pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
@@ -634,15 +635,7 @@ def test_eval_run_of_a_fine_tuned_model_graded_by_a_model(
     system = "Answer with the number only."
     ev = org.client.evals.create(
         name="on vllm",
-        data_source_config={
-            "type": "custom",
-            "item_schema": {
-                "type": "object",
-                "properties": {"question": {"type": "string"}, "answer": {"type": "string"}},
-                "required": ["question", "answer"],
-            },
-            "include_sample_schema": True,
-        },
+        data_source_config=QUESTION_ITEMS,
         testing_criteria=[
             _judge(BASE),
             {

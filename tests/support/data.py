@@ -11,6 +11,22 @@ BASE = "tiny-chat"
 MESSAGES: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 """A chat of one user message."""
 
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+"""The one tool of the tool-call tests: the weather of a city, asked for by `MESSAGES`."""
+
 SFT: list[dict[str, Any]] = [
     {
         "messages": [

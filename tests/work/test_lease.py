@@ -28,13 +28,13 @@ from gateway.jobs.running import JOB_LEASE
 from gateway.queue import make_queue
 from gateway.settings import Settings
 from gateway.tenancy import store as tenancy_store
-from gateway.tinker import store as tinker_store
 from gateway.tinker.store import MODEL_LEASE
 from gateway.work import lease
 from gateway.work import store as work_store
 from gateway.work.lease import Lease
 from gateway.work.store import Work
 from tests.support.stack import Services
+from tests.support.work import waiting_model
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,8 @@ async def _run(pool: asyncpg.Pool, org_id: str, name: str) -> str:
 
 async def _model(pool: asyncpg.Pool, org_id: str, name: str) -> str:
     """A Tinker model with one open request and no holder."""
-    name = f"{name}-{uuid.uuid4().hex[:8]}"  # its wake-up's arq job id is unique to the test
-    model_id = f"ts-{name}:train:0"
-    await tinker_store.create_model(
-        pool, model_id=model_id, org_id=org_id, key_id="key", session_id=f"ts-{name}", base_model="tiny-chat",
-        rank=4, lora_config={"rank": 4}, metadata=None,
-    )  # fmt: skip
-    await tinker_store.add_request(
-        pool, request_id=f"tr-{name}", org_id=org_id, model_id=model_id, kind="forward_backward", payload={}
-    )
-    return model_id
+    # its wake-up's arq job id is unique to the test
+    return await waiting_model(pool, org_id, f"{name}-{uuid.uuid4().hex[:8]}")
 
 
 MODEL_STATUS = "CASE WHEN lost IS NULL THEN 'waiting' ELSE 'lost' END"
