@@ -44,18 +44,6 @@ __all__ = [
     "settings_env",
 ]
 
-GROUPS: tuple[type[BaseModel], ...] = (
-    StorageSettings,
-    ServerSettings,
-    LimitSettings,
-    ServingSettings,
-    TrainingSettings,
-    SandboxSettings,
-    MeteringSettings,
-    TinkerSettings,
-)
-"""The concerns `Settings` is made of, in the order the settings reference lists them."""
-
 
 class Settings(
     StorageSettings,
@@ -136,3 +124,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
             text = str(value)
         env[f"TUNEGATE_{name.upper()}"] = text
     return env
+
+
+GROUPS: tuple[type[BaseModel], ...] = tuple(base for base in Settings.__bases__ if base is not BaseSettings)
+"""The concerns `Settings` is made of, in the order the settings reference lists them (its bases')."""
