@@ -118,7 +118,12 @@ def start_front(stack: EngineStack) -> None:
 
 
 def http_client(in_flight: int) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    # Idle connections are let go well before the engines' HTTP servers close them (uvicorn's keep-alive,
+    # 5 s): reusing one the server is closing at that moment fails the request with a ReadError (the engines
+    # take turns, so one engine's connections sit idle for the other's whole turn).
+    limits = httpx.Limits(
+        max_connections=in_flight, max_keepalive_connections=in_flight, keepalive_expiry=2.0
+    )
     return httpx.AsyncClient(timeout=600, limits=limits, trust_env=False)
 
 
