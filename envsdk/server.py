@@ -236,6 +236,8 @@ class EnvServer:
         finally:
             self._stopping.set()
             self._executor.shutdown(wait=True)
+            # a heartbeat caught mid-write would register the server again after it deregistered
+            beat.join(timeout=REGISTRATION_TTL_S)
             try:
                 with self._lock:
                     orgs = sorted(set(self._last))
