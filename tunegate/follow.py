@@ -2,6 +2,8 @@
 
 Polls the job and its events with the `openai` SDK, draws a live progress bar (step / total, reward, loss),
 prints the job's messages as they arrive, and returns the job's last state with every metrics point seen.
+Before a job is created, `estimate_job` and `print_estimate` show what it will cost
+(`POST /v1/fine_tuning/jobs/estimate`); following prints the job's cost, projected and accrued.
 """
 
 from __future__ import annotations
@@ -82,6 +84,48 @@ def _latest_validation(by_step: dict[int, dict[str, Any]]) -> str:
     return ""
 
 
+def estimate_job(client: openai.OpenAI, **body: Any) -> dict[str, Any] | None:
+    """The gateway's estimate of a job create with this body (None when the gateway gives none)."""
+    import openai
+
+    try:
+        found = client.post("/fine_tuning/jobs/estimate", body=body, cast_to=object)
+    except openai.APIError as exc:
+        logger.warning("no estimate of the job: %s", exc)
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _usd(value: Any) -> str:
+    return f"${value:.4f}" if isinstance(value, int | float) else "?"
+
+
+def print_estimate(console: Console, estimate: dict[str, Any]) -> None:
+    """An estimate in three lines: steps and tokens, cost low / expected / high, and the budget."""
+    tokens = estimate.get("tokens") or {}
+    trained, sampled = tokens.get("trained") or {}, tokens.get("sampled") or {}
+    line = f"estimate: {estimate.get('steps')} steps, {trained.get('expected', 0):,.0f} trained tokens"
+    if sampled.get("high"):
+        line += f" ({sampled.get('expected', 0):,.0f} sampled)"
+    console.print(line, highlight=False)
+    cost = estimate.get("cost") or {}
+    console.print(
+        f"cost: {_usd(cost.get('expected'))} expected ({_usd(cost.get('low'))} to {_usd(cost.get('high'))})",
+        highlight=False,
+    )
+    budget = estimate.get("budget") or {}
+    if budget.get("left_usd") is not None:
+        allowed = "fits" if estimate.get("allowed") else "[red]does not fit[/red]"
+        console.print(f"budget left: {_usd(budget['left_usd'])} ({allowed})", highlight=False)
+
+
+def _cost_line(job: FineTuningJob) -> str | None:
+    cost = (job.model_extra or {}).get("cost")
+    if not isinstance(cost, dict):
+        return None
+    return f"cost: {_usd(cost.get('accrued'))} so far, {_usd(cost.get('projected_total'))} projected"
+
+
 def follow_job(
     client: openai.OpenAI,
     job_id: str,
@@ -111,6 +155,8 @@ def follow_job(
         console=console,
     )
     job = client.fine_tuning.jobs.retrieve(job_id)
+    if job.status not in TERMINAL_STATES and (line := _cost_line(job)) is not None:
+        console.print(line, highlight=False)
     with progress:
         task = progress.add_task(job.status, total=None, total_text="?", reward="—", loss="—", valid="")
         while True:
@@ -154,5 +200,7 @@ def print_outcome(console: Console, result: FollowResult) -> None:
         console.print(f"fine-tuned model: {job.fine_tuned_model}", highlight=False)
     if job.trained_tokens:
         console.print(f"trained tokens: {job.trained_tokens}", highlight=False)
+    if (line := _cost_line(job)) is not None:
+        console.print(line, highlight=False)
     if job.error is not None and (job.error.code or job.error.message):
         console.print(f"[red]error {job.error.code}[/red]: {job.error.message}", highlight=False)

@@ -199,16 +199,20 @@ def _train(
     validation_file: str,
     timeout_s: float,
 ) -> FollowResult:
-    from tunegate.follow import follow_job
+    from tunegate.follow import estimate_job, follow_job, print_estimate
 
-    job = client.fine_tuning.jobs.create(
-        model=BASE_MODEL,
-        training_file=training_file,
-        validation_file=validation_file,
-        method=environment_method(env_file),  # type: ignore[arg-type]  # the environment extension
-        suffix="quickstart",
-        seed=1,
-    )
+    body: dict[str, Any] = {
+        "model": BASE_MODEL,
+        "training_file": training_file,
+        "validation_file": validation_file,
+        "method": environment_method(env_file),
+        "suffix": "quickstart",
+        "seed": 1,
+    }
+    estimate = estimate_job(client, **body)
+    if estimate is not None:
+        print_estimate(console, estimate)
+    job = client.fine_tuning.jobs.create(**body)
     hp = job.method.reinforcement.hyperparameters if job.method and job.method.reinforcement else None
     console.print(f"job [bold]{job.id}[/bold] created", highlight=False)
     if hp is not None:

@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, Request
 
 from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
-from gateway.jobs import service
-from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
+from gateway.jobs import estimate, service
+from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEstimate, JobEvent
 from gateway.protocol import CursorPage
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"], dependencies=[RequestLimitDep])
@@ -22,6 +22,11 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> FineTuningJob:
     return await service.create(res, who, body, idempotency_key)
+
+
+@router.post("/estimate")
+async def estimate_job(body: JobCreate, res: ResourcesDep, who: PrincipalDep) -> JobEstimate:
+    return await estimate.estimate(res, who, body)
 
 
 @router.get("")

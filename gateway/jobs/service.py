@@ -1,5 +1,5 @@
-"""Fine-tuning jobs: create (validated, idempotent, enqueued), list, retrieve, cancel, pause, resume,
-events and checkpoints."""
+"""Fine-tuning jobs: create (validated, idempotent, enqueued), estimate, list, retrieve, cancel, pause,
+resume, events and checkpoints."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import orjson
 
 from envsdk.graders import model_fields
 from gateway.deps import Resources
-from gateway.errors import Conflict, InsufficientQuota, InvalidRequest, not_found
+from gateway.errors import Conflict, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.files.store import FileRow
 from gateway.graders.checks import check_grader
-from gateway.jobs import store
+from gateway.jobs import cost, projection, store
 from gateway.jobs.method import JobMethod
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.store import JobRow
@@ -31,16 +31,14 @@ from gateway.jobs.validation import (
     check_training_file,
     resolve_hyperparameters,
 )
-from gateway.limits import store as limits_store
 from gateway.protocol import CursorPage
 from gateway.queue import enqueue
 from gateway.serving.calls import check_models
 from gateway.tenancy.keys import Principal
 from gateway.usage import service as usage_service
-from gateway.usage.pricing import training_cost
 from gateway.work import store as work_store
 from gateway.work.devices import generation_devices
-from trainer.contract import AnyHyperparameters, Hyperparameters, devices_for, model_defaults, total_steps
+from trainer.contract import AnyHyperparameters, devices_for, model_defaults, total_steps
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +74,8 @@ async def create(
     replayed = await _replayed(res, who, idempotency_key, request_hash)
     if replayed is not None:
         return replayed
-    method, files = await _validate(res, who, body)
+    method, files, training = await validate(res, who, body)
+    await cost.check_budget(res, who.organization_id, body.model, training.bytes, cost.given_epochs(method))
     row = await _insert(res, who, body, method, idempotency_key, request_hash)
     if row is None:  # a concurrent create with the same key was first
         replayed = await _replayed(res, who, idempotency_key, request_hash)
@@ -91,7 +90,7 @@ async def create(
     await events.add(f"Created fine-tuning job: {row.id}", "created")
     try:
         summaries = await _check_files(res, events, body, method.type, files)
-        method = method.with_hyperparameters(_resolve_for_files(res, body, method, summaries))
+        method = method.with_hyperparameters(resolve_for_files(res, body, method, summaries))
     except FileRejected as exc:
         return await _fail_validation(res, events, row, body, exc)
     return await _queue(res, events, row, method, summaries)
@@ -131,6 +130,7 @@ async def _insert(
             integrations=body.integrations,
             idempotency_key=idempotency_key,
             request_hash=request_hash,
+            max_cost=body.max_cost,
         )
     except asyncpg.UniqueViolationError:
         if idempotency_key is None:  # no key to collide on: not a concurrent create
@@ -144,12 +144,12 @@ async def _check_files(
     """The training (and validation) file checked row by row against the method; raises `FileRejected`."""
     await events.add(f"Validating training file: {body.training_file}", "validating")
     return [
-        await _check_rows(res, path, kind, which)
+        await check_rows(res, path, kind, which)
         for path, which in zip(files, ("training_file", "validation_file"), strict=False)
     ]
 
 
-def _resolve_for_files(
+def resolve_for_files(
     res: Resources, body: JobCreate, method: JobMethod, summaries: list[DatasetSummary]
 ) -> AnyHyperparameters:
     """The hyperparameters resolved from the files' sizes. What only the files' sizes make impossible (a
@@ -176,9 +176,22 @@ async def _queue(
 ) -> FineTuningJob:
     """Store the resolved hyperparameters with the job's steps, and queue the job."""
     hp = method.hyperparameters
-    assert isinstance(hp, Hyperparameters)
+    assert isinstance(hp, AnyHyperparameters)
     steps = total_steps(method.type, summaries[0].rows, hp.batch_size, hp.n_epochs, hp.max_steps)
-    queued = await store.to_queued(res.pool, job_id=row.id, method=method, total_steps=steps)
+    valid = projection.approximate(summaries[1].rows, summaries[1].chars) if len(summaries) > 1 else None
+    expected = projection.estimate(
+        res.settings,
+        base_model=row.model,
+        kind=method.type,
+        hp=hp,
+        train=projection.approximate(summaries[0].rows, summaries[0].chars),
+        valid=valid,
+        grader=method.grader,
+        throughput=default_throughput(method),
+    ).cost.expected
+    queued = await store.to_queued(
+        res.pool, job_id=row.id, method=method, total_steps=steps, estimated_cost=expected
+    )
     if queued is None:  # cancelled while validating
         current = await store.get(res.pool, org_id=row.organization_id, job_id=row.id)
         assert current is not None
@@ -228,10 +241,11 @@ async def _check_devices(res: Resources, body: JobCreate) -> None:
         )
 
 
-async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[JobMethod, list[Path]]:
-    """Everything a create can be refused for before it is inserted; returns the method and the paths of
-    the training (and validation) file. A model a grader calls must be one the organisation may chat with
-    (the trainer calls it through the gateway with a key of the organisation): else the chat route's 404."""
+async def validate(res: Resources, who: Principal, body: JobCreate) -> tuple[JobMethod, list[Path], FileRow]:
+    """Everything a create can be refused for before it is inserted but the budget (`cost.check_budget`);
+    returns the method, the paths of the training (and validation) file and the training file's row. A model
+    a grader calls must be one the organisation may chat with (the trainer calls it through the gateway with
+    a key of the organisation): else the chat route's 404."""
     org = who.organization_id
     if body.model not in res.settings.base_models:
         raise InvalidRequest(
@@ -267,9 +281,7 @@ async def _validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Jo
         await _owned_file(
             res, org, method.environment.file_id, "environment", "method.reinforcement.environment.file_id"
         )
-    epochs = getattr(method.hyperparameters, "n_epochs", 1)
-    await _check_budget(res, org, body.model, training.bytes, epochs if isinstance(epochs, int) else 1)
-    return method, files
+    return method, files, training
 
 
 class FileRejected(Exception):
@@ -281,7 +293,7 @@ class FileRejected(Exception):
         self.message = message
 
 
-async def _check_rows(res: Resources, path: Path, kind: str, param: str) -> DatasetSummary:
+async def check_rows(res: Resources, path: Path, kind: str, param: str) -> DatasetSummary:
     """A training or validation file checked row by row against the method (in a thread)."""
     limit = res.settings.max_jsonl_line_bytes
     try:
@@ -310,34 +322,26 @@ async def _fail_validation(
     return FineTuningJob.from_row(failed or row)
 
 
-async def _check_budget(res: Resources, org_id: str, base_model: str, file_bytes: int, epochs: int) -> None:
-    """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget.
-
-    Trained tokens are estimated from the file (about four bytes a token) times the epochs.
-    """
-    billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
-    if billing is None or billing.monthly_budget_usd is None:
-        return
-    estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
-    spent = await res.guard.month_spend_micro(org_id) / 1e6
-    if spent + estimate > billing.monthly_budget_usd:
-        raise InsufficientQuota(
-            f"This job's estimated cost (${estimate:.4f}) does not fit the organization's remaining monthly "
-            f"budget (${max(0.0, billing.monthly_budget_usd - spent):.4f}).",
-            code="insufficient_quota",
-        )
-
-
-async def _with_usage(res: Resources, org_id: str, jobs: list[FineTuningJob]) -> list[FineTuningJob]:
-    """Jobs with their training usage and cost so far (extension field `usage`)."""
+async def _with_usage(res: Resources, org_id: str, rows: list[JobRow]) -> list[FineTuningJob]:
+    """Jobs with their training usage so far (extension field `usage`) and their cost, accrued and projected
+    (`cost`, `gateway.jobs.cost`)."""
+    jobs = [FineTuningJob.from_row(r) for r in rows]
     if not jobs:
         return jobs
     found = await usage_service.job_usage(res.pool, res.settings, org_id, [j.id for j in jobs])
+    costs = await cost.job_costs(res.pool, res.settings, rows)
     for job in jobs:
-        job.usage = found.get(  # type: ignore[attr-defined]  # an extension field (extra="allow")
+        # Extension fields (extra="allow"): OpenAI's job shape is otherwise unchanged.
+        job.usage = found.get(  # type: ignore[attr-defined]
             job.id, {"trained_tokens": 0, "training_seconds": 0.0, "steps": 0, "cost_usd": 0.0}
         )
+        job.cost = costs[job.id]  # type: ignore[attr-defined]
     return jobs
+
+
+def default_throughput(method: JobMethod) -> projection.Throughput:
+    """The throughput assumed without a measured one: `DEFAULT_TOKENS_PER_SECOND` a device."""
+    return projection.Throughput(projection.DEFAULT_TOKENS_PER_SECOND * method.gpus, measured=False)
 
 
 def _replay(existing: JobRow, request_hash: str) -> FineTuningJob:
@@ -354,7 +358,7 @@ async def get(res: Resources, who: Principal, job_id: str) -> FineTuningJob:
     row = await store.get(res.pool, org_id=who.organization_id, job_id=job_id)
     if row is None:
         raise not_found("fine-tuning job", job_id, param="fine_tuning_job_id")
-    return (await _with_usage(res, who.organization_id, [FineTuningJob.from_row(row)]))[0]
+    return (await _with_usage(res, who.organization_id, [row]))[0]
 
 
 async def list_jobs(
@@ -363,7 +367,7 @@ async def list_jobs(
     rows = await store.list_page(
         res.pool, org_id=who.organization_id, after=after, limit=limit + 1, metadata=metadata
     )
-    jobs = await _with_usage(res, who.organization_id, [FineTuningJob.from_row(r) for r in rows])
+    jobs = await _with_usage(res, who.organization_id, rows)
     return CursorPage[FineTuningJob].of(jobs, limit)
 
 

@@ -49,6 +49,10 @@ class JobRow:
     total_steps: int | None
     last_checkpoint: str | None
     request_hash: str | None
+    max_cost_usd: float | None = None
+    """The create's `max_cost`: the job pauses once its cost reaches it (None: no limit)."""
+    estimated_cost_usd: float | None = None
+    """The expected cost when the job was queued (`gateway.jobs.cost.queued_estimate`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", as_method(self.method))
@@ -77,8 +81,9 @@ class CheckpointRow:
 
 INSERT = """
 INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
-    method, seed, suffix, metadata, integrations, idempotency_key, request_hash, method_type, gpus)
-VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14, $15)
+    method, seed, suffix, metadata, integrations, idempotency_key, request_hash, method_type, gpus,
+    max_cost_usd)
+VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
 RETURNING *"""
 GET = "SELECT * FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
 GET_ANY = "SELECT * FROM fine_tuning_jobs WHERE id = $1"
@@ -92,7 +97,7 @@ ORDER BY seq DESC LIMIT $4"""
 
 TO_QUEUED = """
 UPDATE fine_tuning_jobs
-SET status = 'queued', method = $2, total_steps = $3, gpus = $4,
+SET status = 'queued', method = $2, total_steps = $3, gpus = $4, estimated_cost_usd = $5,
     queued_at = now(), queue_generation = queue_generation + 1
 WHERE id = $1 AND status = 'validating_files' RETURNING *"""
 TO_FAILED = """
@@ -145,6 +150,7 @@ async def insert(conn: Conn, **kw: Any) -> JobRow:
         kw["request_hash"],
         method.type,
         method.gpus,
+        kw.get("max_cost"),
     )
     return row_to(JobRow, record)
 
@@ -168,9 +174,11 @@ async def list_page(
     return rows_to(JobRow, await conn.fetch(LIST, org_id, after, metadata, limit))
 
 
-async def to_queued(conn: Conn, *, job_id: str, method: JobMethod, total_steps: int) -> JobRow | None:
-    """Queue a validated job with its resolved method (and so the devices it claims)."""
-    record = await conn.fetchrow(TO_QUEUED, job_id, method.stored(), total_steps, method.gpus)
+async def to_queued(
+    conn: Conn, *, job_id: str, method: JobMethod, total_steps: int, estimated_cost: float | None = None
+) -> JobRow | None:
+    """Queue a validated job with its resolved method (and so the devices it claims) and its expected cost."""
+    record = await conn.fetchrow(TO_QUEUED, job_id, method.stored(), total_steps, method.gpus, estimated_cost)
     return maybe_row_to(JobRow, record)
 
 

@@ -3,8 +3,9 @@
 ```
 claimed ─> spec written ─> trainer runs ──┬─ result ───────────────> succeeded (adapter published)
            (gateway.worker.job.spec)      ├─ error, not stopping ──> failed
-           events ingested, and each      ├─ anything else ────────> released: paused | cancelled
-           heartbeat: key renewed,        │                          | queued again
+           events ingested (each step:    ├─ anything else ────────> released: paused | cancelled
+           max_cost checked), and each    │                          | queued again
+           heartbeat: key renewed,        │
            budget checked (may pause)     └─ worker shutdown ──────> handed back: queued again
 ```
 
@@ -42,11 +43,11 @@ from gateway.work.devices import Device, cpu_devices, generation_devices, strate
 from gateway.work.resilience import until_database_answers
 from gateway.worker.context import JobContext, OutsideWorkdir
 from gateway.worker.job.generation import generation_server
-from gateway.worker.job.ingest import Ingest, Progress
+from gateway.worker.job.ingest import Ingest, Progress, ProgressEvent
 from gateway.worker.job.metering import Meter
 from gateway.worker.job.process import RunOutcome, TrainerProcess
 from gateway.worker.job.spec import calls_models, fine_tuned_model_name, write_spec
-from trainer.contract import ErrorEvent, ResultEvent
+from trainer.contract import ErrorEvent, MetricsEvent, ResultEvent
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class JobRun:
                         generation_server(self.generation, base, self.workdir)
                     )
                 spec = await write_spec(self.ctx, workdir=self.workdir, vllm_server=server)
-                outcome = await self.process.run(spec, with_key=calls_models(job), record=self.ingest.record)
+                outcome = await self.process.run(spec, with_key=calls_models(job), record=self._record)
         except asyncio.CancelledError:
             # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
             await asyncio.shield(self._hand_back())
@@ -137,6 +138,14 @@ class JobRun:
         if self.generation:
             text += f"; generating with vLLM on {', '.join(map(str, self.generation))}"
         return text
+
+    async def _record(self, event: ProgressEvent) -> None:
+        """Record one of the trainer's events; a step's metrics also check the job's `max_cost`, and stop the
+        trainer (it checkpoints) at the step that reaches it."""
+        await self.ingest.record(event)
+        if isinstance(event, MetricsEvent) and self.process.stop_reason is None:
+            if await self.meter.check_max_cost():
+                await self.process.stop("paused")
 
     async def _on_running(self) -> None:
         """Each heartbeat of a running job: pause it, and stop its trainer, when it reached the budget."""

@@ -8,15 +8,24 @@ request guard's month counter in Redis, so completions see the budget that train
 While the trainer runs, every `budget_check_interval_s` the organisation's month-to-date spend plus this
 attempt's cost (not yet recorded as usage) is held against its monthly budget; a job that reaches it is
 paused, so its trainer checkpoints and the job resumes from there once the budget is raised.
+
+A job with a `max_cost` is held to it at every step the trainer reports: its earlier attempts' recorded
+cost, its model graders' completions and this attempt's cost so far. The step that reaches it pauses the job
+the same way (the trainer checkpoints within a step), with an event that gives the numbers, and the attempt
+is billed up to that step only: what the trainer does after it is billed to the next attempt, if the job is
+resumed. Resuming is the user's choice to go on past the limit: a job paused once by its `max_cost` is not
+paused by it again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import asyncpg
 
+from gateway.jobs import cost as job_cost
 from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
@@ -25,10 +34,13 @@ from gateway.limits.budget import month_spend_usd, monthly_budget_usd
 from gateway.usage.pricing import training_cost
 from gateway.worker.context import JobContext
 from gateway.worker.job.ingest import Progress
+from gateway.worker.job.spec import calls_models
 
 logger = logging.getLogger(__name__)
 
 BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
+MAX_COST_PAUSED = "Paused: the job's cost reached its max_cost"
+"""The start of the event's message; its data has `reason`, `max_cost`, `accrued` and `step`."""
 
 
 class Meter:
@@ -42,6 +54,12 @@ class Meter:
         self.usage_recorded = False
         self.budget_due = 0.0
         """Monotonic time of the next budget check."""
+        self.earlier: tuple[int, float] | None = None
+        """Trained tokens and USD of the job's earlier attempts (read once: they do not change meanwhile)."""
+        self.billed_to: tuple[int, float] | None = None
+        """Cumulative tokens and seconds at the step that reached `max_cost`: the attempt is billed to it."""
+        self.past_limit = False
+        """An earlier attempt was paused by `max_cost`, and the job resumed: this one goes on past it."""
 
     async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
         """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
@@ -71,18 +89,8 @@ class Meter:
         cost = await self.attempt_cost_usd(self.ctx.pool)
         if spent + cost < budget:
             return False
-        async with self.ctx.pool.acquire() as conn, conn.transaction():
-            row = await running.pause_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
-            if row is None:
-                return False  # cancelled, paused or taken meanwhile: the next beat sees it
-            await jobs_store.add_event(
-                conn,
-                job_id=self.ctx.id,
-                org_id=self.ctx.org_id,
-                level="warn",
-                message=BUDGET_PAUSED,
-                dedup_key=f"budget_paused:{self.ctx.row.attempts}",
-            )
+        if not await self._pause(BUDGET_PAUSED, "budget_paused"):
+            return False
         logger.info(
             "job %s paused: month-to-date $%.6f + this run $%.6f reaches the budget $%.6f",
             self.ctx.id,
@@ -90,6 +98,56 @@ class Meter:
             cost,
             budget,
         )
+        return True
+
+    async def check_max_cost(self) -> bool:
+        """Pause the job when its cost reaches its `max_cost` (the caller stops its trainer), at the step the
+        trainer last reported. True when it paused the job."""
+        limit = self.ctx.row.max_cost_usd
+        if limit is None or self.progress.step is None or self.billed_to is not None or self.past_limit:
+            return False
+        pool, settings, org_id = self.ctx.pool, self.ctx.settings, self.ctx.org_id
+        graders = 0.0
+        if calls_models(self.ctx.row):
+            found = await job_cost.graders_usd(pool, settings, org_id=org_id, job_ids=[self.ctx.id])
+            graders = found.get(self.ctx.id, 0.0)
+        if self.earlier is None:
+            # Paused by it before and resumed: the user chose to go on past it.
+            if await job_cost.paused_for_max_cost(pool, job_id=self.ctx.id):
+                self.past_limit = True
+                return False
+            self.earlier = await job_cost.recorded_usd(pool, settings, org_id=org_id, job_id=self.ctx.id)
+        earlier_tokens, earlier_usd = self.earlier
+        tokens = max(0, (self.progress.tokens_seen or 0) - earlier_tokens)
+        attempt = training_cost(settings, self.ctx.row.model, tokens, self.progress.seconds)
+        accrued = earlier_usd + graders + attempt
+        if accrued < limit:
+            return False
+        step = self.progress.step
+        message = f"{MAX_COST_PAUSED}: ${accrued:.6f} of ${limit:.6f} at step {step}"
+        data = {"reason": "max_cost", "max_cost": limit, "accrued": round(accrued, 6), "step": step}
+        if not await self._pause(message, "max_cost_paused", data):
+            return False
+        self.billed_to = (self.progress.tokens_seen or 0, self.progress.seconds)
+        logger.info("job %s paused: its cost $%.6f reached its max_cost $%.6f", self.ctx.id, accrued, limit)
+        return True
+
+    async def _pause(self, message: str, reason: str, data: dict[str, Any] | None = None) -> bool:
+        """Pause the running job this worker holds, with a warning event that says why (once an attempt).
+        False when it no longer runs here (cancelled, paused or taken meanwhile: the next beat sees it)."""
+        async with self.ctx.pool.acquire() as conn, conn.transaction():
+            row = await running.pause_own(conn, job_id=self.ctx.id, worker_id=self.ctx.worker_id)
+            if row is None:
+                return False
+            await jobs_store.add_event(
+                conn,
+                job_id=self.ctx.id,
+                org_id=self.ctx.org_id,
+                level="warn",
+                message=message,
+                data=data,
+                dedup_key=f"{reason}:{self.ctx.row.attempts}",
+            )
         return True
 
     async def record_usage(self, conn: asyncpg.Connection, outcome: str, *, total_tokens: int = 0) -> None:
@@ -104,6 +162,8 @@ class Meter:
         cumulative = max(total_tokens, self.progress.tokens_seen or 0)
         earlier = await running.recorded_tokens(conn, job_id=self.ctx.id)
         seconds = self.progress.seconds
+        if self.billed_to is not None:  # paused by its max_cost: billed up to the step that reached it
+            cumulative, seconds = min(cumulative, self.billed_to[0]), min(seconds, self.billed_to[1])
         tokens = max(0, cumulative - earlier)
         await running.add_training_usage(
             conn,

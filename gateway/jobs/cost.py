@@ -1,0 +1,220 @@
+"""A job's cost: what it has accrued, what it is projected to total, the monthly-budget check of a create, and
+what a running job has spent against its `max_cost`.
+
+Accrued is priced as billing prices it (`gateway.usage.pricing`): the training usage its ended attempts
+recorded (`training_usage`), the running attempt's progress since (its last metrics event's cumulative tokens,
+and the time from the attempt's start to that event), and the chat completions its model graders made with
+the job's keys (`gateway.jobs.running.key_name`). Projected total: accrued scaled by total steps over steps
+done while the job has steps left; before its first step, the estimate made when it was queued; accrued alone
+once it has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.db import Conn, rows_to
+from gateway.errors import InsufficientQuota
+from gateway.jobs.method import JobMethod
+from gateway.jobs.projection import model_graders
+from gateway.jobs.protocol import TERMINAL_STATES
+from gateway.jobs.running import key_name
+from gateway.jobs.store import JobRow
+from gateway.limits import store as limits_store
+from gateway.settings import Settings
+from gateway.usage.pricing import completion_cost, training_cost
+
+if TYPE_CHECKING:  # the worker imports this module too, and has no request resources
+    from gateway.deps import Resources
+
+logger = logging.getLogger(__name__)
+
+RECORDED = """
+SELECT job_id, base_model, sum(trained_tokens)::bigint AS tokens, sum(training_seconds)::float8 AS seconds
+FROM training_usage WHERE organization_id = $1 AND job_id = ANY($2::text[])
+GROUP BY job_id, base_model"""
+# The running attempt's last metrics event (after the attempt's start): its cumulative tokens and its time.
+LIVE = """
+SELECT j.id AS job_id, j.model AS base_model, m.tokens,
+       greatest(0, extract(epoch FROM m.created_at - s.created_at))::float8 AS seconds
+FROM fine_tuning_jobs j
+JOIN LATERAL (SELECT created_at FROM fine_tuning_job_events
+              WHERE job_id = j.id AND dedup_key = 'started:' || j.attempts) s ON true
+JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(data->'tokens') = 'number'
+                          THEN (data->>'tokens')::numeric::bigint END AS tokens, created_at
+              FROM fine_tuning_job_events
+              WHERE job_id = j.id AND type = 'metrics' ORDER BY seq DESC LIMIT 1) m
+    ON m.created_at >= s.created_at
+WHERE j.organization_id = $1 AND j.id = ANY($2::text[]) AND j.status = 'running'"""
+GRADERS = """
+SELECT k.name, u.base_model, sum(u.prompt_tokens)::bigint AS prompt_tokens,
+       sum(u.completion_tokens)::bigint AS completion_tokens
+FROM api_keys k
+JOIN completion_usage u ON u.organization_id = k.organization_id AND u.created_at >= k.created_at
+    AND u.api_key_id = k.id
+WHERE k.organization_id = $1 AND k.kind = 'job' AND k.name = ANY($2::text[])
+GROUP BY k.name, u.base_model"""
+PAUSED_FOR_MAX_COST = """
+SELECT EXISTS (SELECT 1 FROM fine_tuning_job_events
+               WHERE job_id = $1 AND dedup_key LIKE 'max_cost_paused:%')"""
+THROUGHPUT = """
+SELECT coalesce(sum(trained_tokens), 0)::float8 AS tokens,
+       coalesce(sum(training_seconds), 0)::float8 AS seconds
+FROM training_usage
+WHERE organization_id = $1 AND base_model = $2 AND method = $3 AND training_seconds > 0"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Training:
+    job_id: str
+    base_model: str
+    tokens: int | None
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Graded:
+    name: str
+    base_model: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+async def _recorded(conn: Conn, org_id: str, job_ids: list[str]) -> list[_Training]:
+    return rows_to(_Training, await conn.fetch(RECORDED, org_id, job_ids))
+
+
+async def graders_usd(conn: Conn, settings: Settings, *, org_id: str, job_ids: list[str]) -> dict[str, float]:
+    """USD of the chat completions each job's model graders made (by job id; absent: none)."""
+    names = {key_name(j): j for j in job_ids}
+    out: dict[str, float] = {}
+    for r in rows_to(_Graded, await conn.fetch(GRADERS, org_id, list(names))):
+        job_id = names[r.name]
+        usd = completion_cost(settings, r.base_model, r.prompt_tokens, r.completion_tokens)
+        out[job_id] = out.get(job_id, 0.0) + usd
+    return out
+
+
+async def recorded_usd(conn: Conn, settings: Settings, *, org_id: str, job_id: str) -> tuple[int, float]:
+    """Trained tokens and USD of a job's ended attempts (`training_usage`), its graders' completions not
+    counted."""
+    rows = await _recorded(conn, org_id, [job_id])
+    tokens = sum(r.tokens or 0 for r in rows)
+    return tokens, sum(training_cost(settings, r.base_model, r.tokens or 0, r.seconds) for r in rows)
+
+
+async def paused_for_max_cost(conn: Conn, *, job_id: str) -> bool:
+    """Whether an attempt of the job was paused by its `max_cost` (the worker's event says so)."""
+    return bool(await conn.fetchval(PAUSED_FOR_MAX_COST, job_id))
+
+
+async def job_costs(conn: Conn, settings: Settings, rows: list[JobRow]) -> dict[str, dict[str, float | None]]:
+    """`{job id: {"accrued": usd, "projected_total": usd | None}}` of one organisation's jobs."""
+    if not rows:
+        return {}
+    org_id = rows[0].organization_id
+    ids = [r.id for r in rows]
+    accrued = dict.fromkeys(ids, 0.0)
+    tokens = dict.fromkeys(ids, 0)
+    for t in await _recorded(conn, org_id, ids):
+        accrued[t.job_id] += training_cost(settings, t.base_model, t.tokens or 0, t.seconds)
+        tokens[t.job_id] += t.tokens or 0
+    if any(r.status == "running" for r in rows):
+        for live in rows_to(_Training, await conn.fetch(LIVE, org_id, ids)):
+            unrecorded = max(0, (live.tokens or 0) - tokens[live.job_id])
+            accrued[live.job_id] += training_cost(settings, live.base_model, unrecorded, live.seconds)
+    graded = [r.id for r in rows if r.method.grader is not None and any(model_graders(r.method.grader))]
+    if graded:  # only jobs whose graders call a model have completions of their own
+        for job_id, usd in (await graders_usd(conn, settings, org_id=org_id, job_ids=graded)).items():
+            accrued[job_id] += usd
+    return {
+        r.id: {"accrued": round(accrued[r.id], 6), "projected_total": _projected(r, accrued[r.id])}
+        for r in rows
+    }
+
+
+def _projected(row: JobRow, accrued: float) -> float | None:
+    if row.status in TERMINAL_STATES:
+        return round(accrued, 6)
+    done, total = row.current_step or 0, row.total_steps or 0
+    if done > 0 and total > 0:
+        return round(accrued * max(total, done) / done, 6)
+    if row.estimated_cost_usd is not None:
+        return round(max(accrued, row.estimated_cost_usd), 6)
+    return None
+
+
+async def throughput(conn: Conn, *, org_id: str, base_model: str, method: str) -> float | None:
+    """Trained tokens a second of the organisation's recorded training of `base_model` with `method` (None
+    without a second of it)."""
+    row = await conn.fetchrow(THROUGHPUT, org_id, base_model, method)
+    if row is None or row["seconds"] < 1.0 or row["tokens"] <= 0:
+        return None
+    return float(row["tokens"]) / float(row["seconds"])
+
+
+# ---- the create's budget check -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetVerdict:
+    """The create's monthly-budget check of one job."""
+
+    estimate_usd: float
+    """The training cost it holds against the budget: the file's bytes over four, times the epochs."""
+    budget_usd: float | None
+    spent_usd: float
+    """Month to date (0 when not read: no budget to hold it against)."""
+
+    @property
+    def left_usd(self) -> float | None:
+        return None if self.budget_usd is None else max(0.0, self.budget_usd - self.spent_usd)
+
+    @property
+    def allowed(self) -> bool:
+        return self.budget_usd is None or self.spent_usd + self.estimate_usd <= self.budget_usd
+
+    @property
+    def refusal(self) -> str | None:
+        if self.allowed:
+            return None
+        return (
+            f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the organization's remaining "
+            f"monthly budget (${self.left_usd or 0.0:.4f})."
+        )
+
+
+def given_epochs(method: JobMethod) -> int:
+    """The epochs the budget check counts: as the create gives them (1 for `"auto"`)."""
+    epochs = getattr(method.hyperparameters, "n_epochs", 1)
+    return epochs if isinstance(epochs, int) else 1
+
+
+async def budget_verdict(
+    res: Resources,
+    org_id: str,
+    base_model: str,
+    file_bytes: int,
+    epochs: int,
+    *,
+    read_spend: bool = False,
+) -> BudgetVerdict:
+    """Whether a job's estimated training cost fits the organisation's monthly budget. Trained tokens are
+    estimated from the file (about four bytes a token) times the epochs. The month's spend is read only when
+    there is a budget, or when `read_spend` asks for it."""
+    billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
+    budget = (
+        None if billing is None or billing.monthly_budget_usd is None else float(billing.monthly_budget_usd)
+    )
+    estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
+    spent = await res.guard.month_spend_micro(org_id) / 1e6 if budget is not None or read_spend else 0.0
+    return BudgetVerdict(estimate, budget, spent)
+
+
+async def check_budget(res: Resources, org_id: str, base_model: str, file_bytes: int, epochs: int) -> None:
+    """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget."""
+    verdict = await budget_verdict(res, org_id, base_model, file_bytes, epochs)
+    if verdict.refusal is not None:
+        raise InsufficientQuota(verdict.refusal, code="insufficient_quota")

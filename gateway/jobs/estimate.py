@@ -1,0 +1,98 @@
+"""`POST /v1/fine_tuning/jobs/estimate`: what a job create with the same body would cost, before it runs.
+
+The body is validated as a create validates it (`service.validate`: the same 400s, and another organisation's
+file is refused as at create), its files are checked row by row and its `"auto"` hyperparameters resolved as
+the create resolves them; then its files are tokenised with the base model's tokenizer and priced
+(`gateway.jobs.projection`). Whether the job would be let start is the create's own budget check
+(`gateway.jobs.cost.budget_verdict`). Nothing is stored.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import anyio
+
+from gateway.deps import Resources
+from gateway.errors import InvalidRequest
+from gateway.jobs import cost, projection, service
+from gateway.jobs.protocol import BudgetState, JobCreate, JobEstimate
+from gateway.jobs.validation import RowError
+from gateway.tenancy.keys import Principal
+
+logger = logging.getLogger(__name__)
+
+
+def _file_ids(body: JobCreate) -> tuple[str, str | None]:
+    return body.training_file, body.validation_file
+
+
+async def estimate(res: Resources, who: Principal, body: JobCreate) -> JobEstimate:
+    """The estimate of a create with this body (see the module)."""
+    org = who.organization_id
+    method, files, training = await service.validate(res, who, body)
+    try:
+        summaries = [
+            await service.check_rows(res, path, method.type, which)
+            for path, which in zip(files, ("training_file", "validation_file"), strict=False)
+        ]
+        hp = service.resolve_for_files(res, body, method, summaries)
+    except service.FileRejected as exc:
+        file_id = _file_ids(body)[exc.param == "validation_file"]
+        raise InvalidRequest(
+            f"File {file_id}: {exc.message}", param=exc.param, code=f"invalid_{exc.param}"
+        ) from None
+    counted = []
+    names = ("training_file", "validation_file")
+    for path, which, file_id in zip(files, names, _file_ids(body), strict=False):
+        count = functools.partial(
+            projection.count_file,
+            res.settings.base_model_path(body.model),
+            method.type,
+            path,
+            max_length=getattr(hp, "max_length", None),
+            max_line_bytes=res.settings.max_jsonl_line_bytes,
+        )
+        try:
+            counted.append(await anyio.to_thread.run_sync(count))
+        except RowError as exc:
+            raise InvalidRequest(f"File {file_id}: {exc}", param=which, code=f"invalid_{which}") from None
+    measured = await cost.throughput(res.pool, org_id=org, base_model=body.model, method=method.type)
+    arithmetic = functools.partial(  # in a thread: a large file's counts are sorted
+        projection.estimate,
+        res.settings,
+        base_model=body.model,
+        kind=method.type,
+        hp=hp,
+        train=counted[0],
+        valid=counted[1] if len(counted) > 1 else None,
+        grader=method.grader,
+        throughput=(
+            projection.Throughput(measured, measured=True)
+            if measured is not None
+            else service.default_throughput(method)
+        ),
+    )
+    out = await anyio.to_thread.run_sync(arithmetic)
+    epochs = cost.given_epochs(method)  # as the create's check counts them
+    verdict = await cost.budget_verdict(res, org, body.model, training.bytes, epochs, read_spend=True)
+    return JobEstimate(
+        model=body.model,
+        method=method.type,
+        hyperparameters=hp.model_dump(),
+        steps=out.steps,
+        examples=len(counted[0].counts),
+        tokens=out.tokens,
+        compute_seconds=out.compute_seconds,
+        cost=out.cost,
+        budget=BudgetState(
+            monthly_budget_usd=verdict.budget_usd,
+            month_to_date_usd=round(verdict.spent_usd, 6),
+            left_usd=verdict.left_usd,
+        ),
+        allowed=verdict.allowed,
+        refusal=verdict.refusal,
+        max_cost=body.max_cost,
+        assumptions=out.assumptions,
+    )
