@@ -134,11 +134,16 @@ class Launch:
 
 def confine(devices: list[Device]) -> tuple[dict[str, str], set[int] | None]:
     """What keeps a process to `devices`: the environment it gets (`CUDA_VISIBLE_DEVICES`; for CPU devices
-    also the threads of each process) and, for CPU devices, the cores it is pinned to."""
+    also the threads of each process: one per core of its device, or fewer where the host's own
+    `OMP_NUM_THREADS` says so, as on a machine whose cores other work shares) and, for CPU devices, the cores
+    it is pinned to."""
     if devices[0].kind == "cuda":
         return {"CUDA_VISIBLE_DEVICES": ",".join(str(d.index) for d in devices)}, None
     cpus = {core for d in devices for core in d.cores} or None
     threads = min(len(d.cores) or 1 for d in devices)
+    host = os.environ.get("OMP_NUM_THREADS", "")
+    if host.isdigit() and int(host) > 0:
+        threads = min(threads, int(host))
     return {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": str(threads)}, cpus
 
 

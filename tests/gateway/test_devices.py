@@ -68,10 +68,14 @@ def test_a_pool_never_hands_out_a_device_twice() -> None:
     asyncio.run(run())
 
 
-def test_launch_confines_the_trainer_and_chooses_the_strategy() -> None:
+def test_launch_confines_the_trainer_and_chooses_the_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one = launch(cpu_devices(1, cores=2), "/w/spec.json", parameters=10**6, port=1234)
     assert one.argv[1:] == ["-m", "trainer", "run", "/w/spec.json"] and one.cpus == {0, 1}
     assert one.env == {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the host's own cap holds
+    capped = launch(cpu_devices(1, cores=2), "/w/spec.json", parameters=10**6, port=1234)
+    assert capped.env["OMP_NUM_THREADS"] == "1" and capped.cpus == {0, 1}
     pair = launch(cpu_devices(2, cores=2), "/w/spec.json", parameters=10**6, port=1234)
     assert pair.argv[1:3] == ["-m", "accelerate.commands.launch"] and "--multi_gpu" in pair.argv
     assert pair.argv[pair.argv.index("--num_processes") + 1] == "2"
