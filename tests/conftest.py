@@ -1,8 +1,18 @@
-"""Shared fixtures: one running stack per test session, and a fresh organisation per test."""
+"""Shared fixtures: one running stack per test session, and a fresh organisation per test.
+
+The suite runs in as many processes as the machine has cores, four at most (pytest-xdist, `-n auto
+--dist loadfile` in pyproject.toml: a module's tests stay in one process, with its module fixtures). Each
+process is a test session of its own, with its own stack and database; they share the services and the venv
+cache. With more than one process, every torch computes on one thread (`OMP_NUM_THREADS=1`, which the
+workers pass on to their trainers, and vLLM's CPU build unbound from the cores): the tiny models gain nothing
+from a second thread, and threads that outnumber the cores they get wait on each other at every operation (a
+DPO job took 9 times as long). `pytest -n 0` runs the suite in one process.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +27,20 @@ from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, admin_of
 from tests.support.vllm import vllm_server  # noqa: F401 - the session's vLLM, for any test package
 from tunegate.services import scratch_database
+
+MAX_WORKERS = 4
+"""The most test processes `-n auto` starts: each holds its own stack, and a vLLM where its modules ask."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    processes = getattr(config.option, "numprocesses", None)
+    if isinstance(processes, int) and processes > 1:  # the controller, before it starts its workers
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +61,12 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def venv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache of environment packages' venvs for the whole run, so that each framework's requirement set
     is built once: the envsdk tests' builder, every test gateway and its workers (`gateway_fixture`) and the
-    formats bench (`tests/test_bench.py`) share it. Tests of building itself use caches of their own."""
+    formats bench (`tests/test_bench.py`) share it. Tests of building itself use caches of their own. The
+    test processes of one run share it too (a build is locked across processes: `envsdk.venvs`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "venvs"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("venvs")
 
 
