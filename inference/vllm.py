@@ -199,6 +199,10 @@ def vllm_command(
     kv_gib = sizes.kv_cache_gib if sizes.kv_cache_gib is not None else (CPU_KV_CACHE_GIB if on_cpu else None)
     if kv_gib is not None:
         argv += ["--kv-cache-memory-bytes", str(int(kv_gib * 1024**3))]
+    if on_cpu:
+        # The CPU build dies on a seeded request whose prompt is prefilled in parts ("CPU Generator does not
+        # use offset", when a step's token budget is full): whole prefills only (the budget grows to fit one).
+        argv += ["--no-enable-chunked-prefill"]
     parser = tool_call_parser(base_model_path)
     if parser is not None:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", parser]

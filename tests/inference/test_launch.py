@@ -49,6 +49,7 @@ def test_vllm_command_serves_one_model_with_runtime_lora(tmp_path: Path) -> None
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     assert argv[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert "--enable-lora" in argv and "--enable-auto-tool-choice" in argv
+    assert "--no-enable-chunked-prefill" in argv  # the CPU build's seeded partial prefills kill its engine
     names = ("--model", "--served-model-name", "--host", "--port", "--dtype", "--max-loras")
     names += ("--max-cpu-loras", "--max-lora-rank", "--max-model-len", "--kv-cache-memory-bytes")
     assert _flags(argv, *names, "--tool-call-parser") == {
@@ -69,6 +70,7 @@ def test_vllm_command_serves_one_model_with_runtime_lora(tmp_path: Path) -> None
 def test_vllm_command_on_gpus_leaves_sizes_to_vllm(tmp_path: Path) -> None:
     """No model family it knows: no tool parser; on GPUs vLLM sizes the KV cache and the weights' type."""
     argv, _ = vllm_command(tmp_path, "m", sizes=VllmSizes(max_loras=2))
+    assert "--no-enable-chunked-prefill" not in argv
     assert _flags(argv, "--dtype", "--max-cpu-loras", "--max-model-len", "--kv-cache-memory-bytes") == {
         "--dtype": "auto",
         "--max-cpu-loras": "4",

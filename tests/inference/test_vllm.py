@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,25 @@ def test_greedy_answers_match_the_embedded_engine(
         ]
     assert answers["vllm"] == answers["embedded"]
     assert answers["vllm"][0] != answers["vllm"][1]  # the adapter changes the answer
+
+
+def test_seeded_requests_that_fill_a_step_leave_the_cpu_build_alive(vllm_server: VllmEngineProcess) -> None:
+    """128 seeded requests of 300-token prompts at once: more prompt than one step takes. The CPU build's
+    engine died when a seeded prompt was prefilled in parts ("CPU Generator does not use offset"); it is
+    started with whole prefills only (`inference.vllm.vllm_command`), so every request is answered."""
+    if not vllm_server.install.on_cpu:
+        pytest.skip("the CPU build's failure")
+    prompt = "word " * 300
+
+    def one(i: int) -> int:  # each prompt its own from its first token: no prefix cached for another
+        body = {"model": BASE, "messages": [{"role": "user", "content": f"{i} {prompt}"}], "max_tokens": 4}
+        body.update(seed=i, temperature=1.0)
+        return httpx.post(f"{vllm_server.url}/v1/chat/completions", json=body, timeout=300).status_code
+
+    with ThreadPoolExecutor(64) as pool:
+        codes = list(pool.map(one, range(128)))
+    assert codes == [200] * 128
+    assert httpx.get(f"{vllm_server.url}/health", timeout=10).status_code == 200
 
 
 # -------------------------------------------------------------------------------------- bad input
