@@ -18,10 +18,11 @@ the upload with ``envsdk.archive.safe_extract``). :class:`EnvironmentSession` ow
   rendered by the chat template as the model would write it and masked out of the loss (``env_mask`` 0:
   the policy did not sample it); the model writes every later turn.
 
-Failures are data: an item or an episode that raises scores 0 and is counted (``episode_failures``);
-the job goes on. When every call of :data:`FAIL_AFTER` batches in a row failed, the environment is broken
-and the job fails with ``environment_error`` naming the last cause. Episode metrics (``turns_mean``,
-``tool_calls_mean``, ``episode_failures``) join the job's ``metrics`` events, and so do the numbers an
+Failures are data: an item or an episode that raises scores 0 and is counted (``episode_failures``, and
+their share of the batch ``env_error_rate``, which the job's ``error_rate`` guard watches); the job goes on.
+When every call of :data:`FAIL_AFTER` batches in a row failed, the environment is broken and the job fails
+with ``environment_error`` naming the last cause. Episode metrics (``turns_mean``, ``tool_calls_mean``,
+``episode_failures``) join the job's ``metrics`` events, and so do the numbers an
 environment reports under its last step's ``info["metrics"]`` (names with a ``/``, such as
 ``tools/sandboxed_fraction``), each averaged over the episodes that reported it.
 """
@@ -190,6 +191,7 @@ class EnvironmentSession:
             failures = [r for r in results if r.get("reward") is None]
             error = next((str(r.get("error")) for r in failures), None)
             _log(kwargs, "episode_failures", float(len(failures)))
+            _log(kwargs, "env_error_rate", len(failures) / max(len(results), 1))
             self._waited(lambda name, value: _log(kwargs, name, value))
             self._batch_done(len(results), len(failures), error)
             return [float(r["reward"]) if r.get("reward") is not None else 0.0 for r in results]
@@ -234,6 +236,7 @@ class EnvironmentSession:
             trainer._log_metric("turns_mean", sum(e.turns for e in episodes) / n)
             trainer._log_metric("tool_calls_mean", sum(e.tool_calls for e in episodes) / n)
             trainer._log_metric("episode_failures", float(len(failures)))
+            trainer._log_metric("env_error_rate", len(failures) / n)
             for name, value in info_metrics(episodes).items():
                 trainer._log_metric(name, value)
             self._waited(trainer._log_metric)

@@ -16,7 +16,7 @@ import anyio
 
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest
-from gateway.jobs import cost, projection, service
+from gateway.jobs import cost, guards, projection, service
 from gateway.jobs.protocol import BudgetState, JobCreate, JobEstimate
 from gateway.jobs.validation import RowError
 from gateway.tenancy.keys import Principal
@@ -94,5 +94,6 @@ async def estimate(res: Resources, who: Principal, body: JobCreate) -> JobEstima
         allowed=verdict.allowed,
         refusal=verdict.refusal,
         max_cost=body.max_cost,
+        guards=guards.resolve(body.guards),
         assumptions=out.assumptions,
     )

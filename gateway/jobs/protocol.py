@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from gateway.jobs import guards
 from gateway.jobs.method import JobMethod
 from gateway.jobs.store import CheckpointRow, EventRow, JobRow
 from gateway.jobs.validation import hyperparameters_param, parse_method
@@ -35,6 +36,8 @@ class JobCreate(OpenAIBaseModel):
     integrations: list[dict[str, Any]] | None = None
     max_cost: Annotated[float, Field(strict=True, gt=0, le=MAX_COST_USD, allow_inf_nan=False)] | None = None
     """tunegate: the most the job may cost (USD); it pauses, with a checkpoint, once its cost reaches this."""
+    guards: Any = None
+    """tunegate: overrides of the job's guards (`gateway.jobs.guards.resolve` checks them)."""
 
     @cached_property
     def job_method(self) -> JobMethod:
@@ -101,6 +104,7 @@ class FineTuningJob(OpenAIBaseModel):
         )
         if row.max_cost_usd is not None:  # an extension field (extra="allow"), only on jobs that set it
             job.max_cost = row.max_cost_usd  # type: ignore[attr-defined]
+        job.guards = guards.resolve(None, row.guards)  # type: ignore[attr-defined]
         return job
 
 
@@ -162,6 +166,8 @@ class JobEstimate(OpenAIBaseModel):
     refusal: str | None = None
     """Why it would not (the create's 429 message)."""
     max_cost: float | None = None
+    guards: dict[str, Any] | None = None
+    """The job's guards, resolved as the create would resolve them (`gateway.jobs.guards`)."""
     assumptions: list[Assumption]
 
 

@@ -66,6 +66,15 @@ INSERT INTO fine_tuning_job_checkpoints (id, job_id, organization_id, step_numbe
     fine_tuned_model_checkpoint, path, version)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
 ON CONFLICT (job_id, step_number) DO NOTHING"""
+CHECKPOINT_METRICS = "SELECT step_number, metrics FROM fine_tuning_job_checkpoints WHERE job_id = $1"
+# A guard's rollback: the paused job, let go, resumes from an earlier checkpoint than its last.
+RESUME_FROM_STEP = """
+UPDATE fine_tuning_jobs j SET last_checkpoint = c.path
+FROM fine_tuning_job_checkpoints c
+WHERE j.id = $1 AND c.job_id = j.id AND c.step_number = $2 AND j.status = 'paused' AND j.worker_id IS NULL"""
+GUARDS_PAUSED = """
+SELECT DISTINCT split_part(dedup_key, ':', 2) AS name FROM fine_tuning_job_events
+WHERE job_id = $1 AND dedup_key LIKE 'guard_paused:%'"""
 QUEUED_UNCLAIMED = """
 SELECT id, queue_generation FROM fine_tuning_jobs WHERE status = 'queued' AND worker_id IS NULL
 ORDER BY queued_at LIMIT 1000"""
@@ -156,6 +165,21 @@ async def add_checkpoint(
         INSERT_CHECKPOINT, new_id("ftckpt_"), job_id, org_id, step, metrics, model_name, path, version
     )
     await conn.execute(SET_CHECKPOINT, job_id, path)
+
+
+async def checkpoint_metrics(conn: Conn, *, job_id: str) -> list[tuple[int, dict[str, Any] | None]]:
+    """`(step, metrics)` of each of the job's checkpoints."""
+    return [(r["step_number"], r["metrics"]) for r in await conn.fetch(CHECKPOINT_METRICS, job_id)]
+
+
+async def resume_from_step(conn: Conn, *, job_id: str, step: int) -> None:
+    """Point a paused job, no longer held, at its checkpoint of `step`: it resumes from there."""
+    await conn.execute(RESUME_FROM_STEP, job_id, step)
+
+
+async def guards_paused(conn: Conn, *, job_id: str) -> set[str]:
+    """The guards that paused an attempt of the job (their events say so)."""
+    return {r["name"] for r in await conn.fetch(GUARDS_PAUSED, job_id)}
 
 
 async def file_blob_key(conn: Conn, *, file_id: str, org_id: str) -> str | None:

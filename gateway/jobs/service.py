@@ -18,7 +18,7 @@ from gateway.errors import Conflict, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.files.store import FileRow
 from gateway.graders.checks import check_grader
-from gateway.jobs import cost, projection, store
+from gateway.jobs import cost, guards, projection, store
 from gateway.jobs.method import JobMethod
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.store import JobRow
@@ -131,6 +131,7 @@ async def _insert(
             idempotency_key=idempotency_key,
             request_hash=request_hash,
             max_cost=body.max_cost,
+            guards=guards.resolve(body.guards),
         )
     except asyncpg.UniqueViolationError:
         if idempotency_key is None:  # no key to collide on: not a concurrent create
@@ -256,6 +257,7 @@ async def validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Job
         )
     check_suffix(body.suffix)
     check_metadata(body.metadata)
+    guards.resolve(body.guards)
     method = body.job_method
     await _check_devices(res, body)
     if method.grader is not None:

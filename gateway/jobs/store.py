@@ -53,6 +53,8 @@ class JobRow:
     """The create's `max_cost`: the job pauses once its cost reaches it (None: no limit)."""
     estimated_cost_usd: float | None = None
     """The expected cost when the job was queued (`gateway.jobs.cost.queued_estimate`)."""
+    guards: dict[str, Any] | None = None
+    """Its guards, resolved at create (`gateway.jobs.guards`; None: a job made before them, the defaults)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", as_method(self.method))
@@ -82,8 +84,8 @@ class CheckpointRow:
 INSERT = """
 INSERT INTO fine_tuning_jobs (id, organization_id, api_key_id, model, training_file, validation_file, status,
     method, seed, suffix, metadata, integrations, idempotency_key, request_hash, method_type, gpus,
-    max_cost_usd)
-VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+    max_cost_usd, guards)
+VALUES ($1, $2, $3, $4, $5, $6, 'validating_files', $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)
 RETURNING *"""
 GET = "SELECT * FROM fine_tuning_jobs WHERE id = $1 AND organization_id = $2"
 GET_ANY = "SELECT * FROM fine_tuning_jobs WHERE id = $1"
@@ -151,6 +153,7 @@ async def insert(conn: Conn, **kw: Any) -> JobRow:
         method.type,
         method.gpus,
         kw.get("max_cost"),
+        kw.get("guards"),
     )
     return row_to(JobRow, record)
 

@@ -4,9 +4,10 @@
 claimed ─> spec written ─> trainer runs ──┬─ result ───────────────> succeeded (adapter published)
            (gateway.worker.job.spec)      ├─ error, not stopping ──> failed
            events ingested (each step:    ├─ anything else ────────> released: paused | cancelled
-           max_cost checked), and each    │                          | queued again
-           heartbeat: key renewed,        │
-           budget checked (may pause)     └─ worker shutdown ──────> handed back: queued again
+           max_cost and guards checked),  │                          | queued again
+           and each heartbeat: key        │
+           renewed, budget and hang       └─ worker shutdown ──────> handed back: queued again
+           checked (may pause)
 ```
 
 `JobRun.train` writes the spec, runs the trainer process (its events ingested, its attempt metered), then
@@ -43,6 +44,7 @@ from gateway.work.devices import Device, cpu_devices, generation_devices, strate
 from gateway.work.resilience import until_database_answers
 from gateway.worker.context import JobContext, OutsideWorkdir
 from gateway.worker.job.generation import generation_server
+from gateway.worker.job.guards import Guards
 from gateway.worker.job.ingest import Ingest, Progress, ProgressEvent
 from gateway.worker.job.metering import Meter
 from gateway.worker.job.process import RunOutcome, TrainerProcess
@@ -76,6 +78,7 @@ class JobRun:
         self.progress = Progress(step=job.current_step, start_step=job.current_step or 0)
         self.ingest = Ingest(ctx, progress=self.progress)
         self.meter = Meter(ctx, progress=self.progress, spend=spend)
+        self.guards = Guards(ctx, progress=self.progress, pause=self.meter.pause)
         self.process = TrainerProcess(
             ctx,
             workdir=self.workdir,
@@ -140,16 +143,18 @@ class JobRun:
         return text
 
     async def _record(self, event: ProgressEvent) -> None:
-        """Record one of the trainer's events; a step's metrics also check the job's `max_cost`, and stop the
-        trainer (it checkpoints) at the step that reaches it."""
+        """Record one of the trainer's events; a step's metrics also check the job's `max_cost` and its
+        guards, and stop the trainer (it checkpoints) at the step that reaches the one or trips the other."""
         await self.ingest.record(event)
         if isinstance(event, MetricsEvent) and self.process.stop_reason is None:
-            if await self.meter.check_max_cost():
+            data = {**event.data, "step": event.step}
+            if await self.meter.check_max_cost() or await self.guards.on_metrics(data):
                 await self.process.stop("paused")
 
     async def _on_running(self) -> None:
-        """Each heartbeat of a running job: pause it, and stop its trainer, when it reached the budget."""
-        if await self.meter.check_budget_when_due():
+        """Each heartbeat of a running job: pause it, and stop its trainer, when it reached the budget or its
+        trainer hangs."""
+        if await self.meter.check_budget_when_due() or await self.guards.on_beat():
             await self.process.stop("paused")
 
     async def _finish(self, outcome: RunOutcome) -> str:
@@ -180,6 +185,8 @@ class JobRun:
             await enqueue(self.queue, self.ctx.settings.queue_name, self.ctx.id, released.queue_generation)
         if released.status == "cancelled":
             self.cleanup()
+        if released.status == "paused":
+            await self.guards.roll_back()
         return released.status
 
     async def _hand_back(self) -> None:

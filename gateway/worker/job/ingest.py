@@ -51,6 +51,8 @@ class Progress:
     """Monotonic time the trainer started."""
     progress_mono: float | None = None
     """Monotonic time of its last metrics event."""
+    event_mono: float | None = None
+    """Monotonic time of its last event of any kind (the hang guard's clock)."""
 
     @property
     def seconds(self) -> float:
@@ -70,6 +72,7 @@ class Ingest:
 
     async def record(self, event: ProgressEvent) -> None:
         """Record one event (once, also when a resumed run replays it)."""
+        self.progress.event_mono = time.monotonic()
         if isinstance(event, MetricsEvent):
             await self._metrics(event)
         elif isinstance(event, CheckpointEvent):

@@ -89,7 +89,7 @@ class Meter:
         cost = await self.attempt_cost_usd(self.ctx.pool)
         if spent + cost < budget:
             return False
-        if not await self._pause(BUDGET_PAUSED, "budget_paused"):
+        if not await self.pause(BUDGET_PAUSED, "budget_paused"):
             return False
         logger.info(
             "job %s paused: month-to-date $%.6f + this run $%.6f reaches the budget $%.6f",
@@ -126,13 +126,13 @@ class Meter:
         step = self.progress.step
         message = f"{MAX_COST_PAUSED}: ${accrued:.6f} of ${limit:.6f} at step {step}"
         data = {"reason": "max_cost", "max_cost": limit, "accrued": round(accrued, 6), "step": step}
-        if not await self._pause(message, "max_cost_paused", data):
+        if not await self.pause(message, "max_cost_paused", data):
             return False
         self.billed_to = (self.progress.tokens_seen or 0, self.progress.seconds)
         logger.info("job %s paused: its cost $%.6f reached its max_cost $%.6f", self.ctx.id, accrued, limit)
         return True
 
-    async def _pause(self, message: str, reason: str, data: dict[str, Any] | None = None) -> bool:
+    async def pause(self, message: str, reason: str, data: dict[str, Any] | None = None) -> bool:
         """Pause the running job this worker holds, with a warning event that says why (once an attempt).
         False when it no longer runs here (cancelled, paused or taken meanwhile: the next beat sees it)."""
         async with self.ctx.pool.acquire() as conn, conn.transaction():

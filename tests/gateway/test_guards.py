@@ -1,0 +1,388 @@
+"""Guards: the signals over synthetic metric series, the job's `guards` and their bad input through the SDK,
+and failures injected into real training runs (a learning rate 100 times too high, a trainer that stops
+making progress, a grader that errors on a tenth of its calls), each caught within a few steps with its
+action taken and an event that gives the numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.errors import InvalidRequest
+from gateway.jobs import guards as job_guards
+from gateway.worker.job import guards
+from gateway.worker.job.guards import GUARD_PAUSED, GUARD_WARNING
+from tests.support.data import BASE, RFT, SFT
+from tests.support.fixtures import worker_fixture
+from tests.support.jobs import (
+    all_events,
+    metrics,
+    metrics_steps,
+    upload_rows,
+    wait_for,
+    wait_trainer_gone,
+)
+from tests.support.stack import Tenant, WorkerProcess
+
+ESTIMATE = "/fine_tuning/jobs/estimate"
+DEFAULTS = job_guards.defaults()
+
+guard_worker = worker_fixture(of="stack", TUNEGATE_HEARTBEAT_INTERVAL_S="0.5", TUNEGATE_STOP_GRACE_S="30")
+
+
+def _points(**series: list[Any]) -> list[dict[str, Any]]:
+    """Metrics points, step by step, from one list of values per key (None: the key left out)."""
+    n = max(len(v) for v in series.values())
+    return [
+        {"step": i + 1, **{k: v[i] for k, v in series.items() if i < len(v) and v[i] is not None}}
+        for i in range(n)
+    ]
+
+
+def _settings(name: str) -> dict[str, Any]:
+    return {k: v for k, v in DEFAULTS[name].items() if k != "action"}
+
+
+# ---- the signals, over synthetic series ----------------------------------------------------------------
+
+
+def test_non_finite_loss_or_gradient() -> None:
+    assert guards.non_finite(_points(train_loss=[2.0, 1.5], grad_norm=[1.0, 0.9])) is None
+    assert guards.non_finite([{"step": 3}]) is None  # a step that reports neither
+    for key in ("train_loss", "grad_norm"):
+        fired = guards.non_finite([{"step": 1, key: None}])  # the trainer writes NaN and inf as null
+        assert fired is not None and key in fired.what and fired.numbers == {key: None}
+        assert guards.non_finite([{"step": 1, key: math.inf}]) is not None
+
+
+def test_explosion_against_the_running_median() -> None:
+    calm = [1.0, 1.2, 0.9, 1.1, 1.0]
+    assert guards.explosion(_points(grad_norm=[*calm, 5.0]), **_settings("explosion")) is None
+    fired = guards.explosion(_points(grad_norm=[*calm, 50.0]), **_settings("explosion"))
+    assert fired is not None and fired.numbers["median"] == 1.0 and fired.numbers["ratio"] == 50.0
+    # Too few steps known: no median to judge by.
+    early = _points(grad_norm=[1.0, 50.0])
+    assert guards.explosion(early, factor=10, window=20, min_steps=3) is None
+    assert guards.explosion(early, **_settings("explosion")) is not None  # one step is enough by default
+    # Steps that trained nothing (a zero norm) are not part of the median.
+    assert (
+        guards.explosion(_points(grad_norm=[0, 0, 0, 1.0, 1.0, 1.0, 8.0]), **_settings("explosion")) is None
+    )
+    # The loss too, but not a reinforcement job's (it sits near 0).
+    losses = _points(train_loss=[2.0, 1.9, 1.8, 1.7, 40.0])
+    assert guards.explosion(losses, **_settings("explosion")) is not None
+    assert guards.explosion(losses, **_settings("explosion"), kind="reinforcement") is None
+    # A loss near 0 that jumps many times over but stays below where training started is no explosion.
+    assert (
+        guards.explosion(_points(train_loss=[2.0, 0.01, 0.01, 0.01, 0.5]), **_settings("explosion")) is None
+    )
+
+
+def test_length_runaway() -> None:
+    settings = {"clipped_ratio": 0.9, "growth": 4.0, "steps": 3}
+    assert (
+        guards.length_runaway(_points(**{"completions/clipped_ratio": [1, 1, 0.5, 1, 1]}), **settings) is None
+    )
+    fired = guards.length_runaway(_points(**{"completions/clipped_ratio": [0.2, 0.95, 1, 1]}), **settings)
+    assert fired is not None and fired.numbers["clipped_ratio"] == [0.95, 1, 1]
+    grows = _points(completion_length_mean=[10, 12, 11, 30, 45, 50, 60])
+    fired = guards.length_runaway(grows, **settings)
+    assert fired is not None and fired.numbers["baseline"] == 11
+    assert (
+        guards.length_runaway(_points(completion_length_mean=[10, 12, 11, 30, 35, 50, 60]), **settings)
+        is None
+    )
+
+
+def test_entropy_collapse() -> None:
+    settings = {"fraction": 0.1, "steps": 3}
+    fired = guards.entropy_collapse(_points(entropy=[2.0, 2.1, 1.9, 0.1, 0.05, 0.01]), **settings)
+    assert fired is not None and fired.numbers["baseline"] == 2.0
+    assert guards.entropy_collapse(_points(entropy=[2.0, 2.1, 1.9, 0.1, 0.5, 0.01]), **settings) is None
+    assert guards.entropy_collapse(_points(train_loss=[1.0] * 8), **settings) is None  # no entropy reported
+
+
+def test_error_rate_over_its_window() -> None:
+    settings = {"max_rate": 0.05, "window": 3}
+    # One failure in eight at two of three steps: 8.3% on average.
+    fired = guards.error_rate(_points(grader_error_rate=[0, 0.125, 0.125]), **settings)
+    assert fired is not None and fired.numbers["error_rate"] == pytest.approx(0.25 / 3)
+    assert guards.error_rate(_points(grader_error_rate=[0, 0, 0.125]), **settings) is None  # 4.2%
+    assert (
+        guards.error_rate(_points(grader_error_rate=[0.5, 0.5]), **settings) is None
+    )  # a window not full yet
+    assert guards.error_rate(_points(env_error_rate=[0.1, 0.1, 0.1]), **settings) is not None
+    assert guards.error_rate(_points(train_loss=[1.0, 1.0, 1.0]), **settings) is None
+
+
+def test_validation_divergence() -> None:
+    # Evaluations at steps 2, 4, 6: the reward rises while validation falls at both of the last two.
+    hacked = _points(
+        reward_mean=[0.1, 0.2, 0.4, 0.5, 0.7, 0.8], valid_reward_mean=[None, 0.5, None, 0.4, None, 0.3]
+    )
+    fired = guards.validation_divergence(hacked, evaluations=2, kind="reinforcement")
+    assert fired is not None and fired.numbers["steps"] == [2, 4, 6]
+    # Validation rose once in between: no divergence over two evaluations (one is enough with evaluations=1).
+    mixed = _points(
+        reward_mean=[0.1, 0.2, 0.4, 0.5, 0.7, 0.8], valid_reward_mean=[None, 0.5, None, 0.6, None, 0.3]
+    )
+    assert guards.validation_divergence(mixed, evaluations=2, kind="reinforcement") is None
+    assert guards.validation_divergence(mixed, evaluations=1, kind="reinforcement") is not None
+    # Supervised: the training loss falls while the validation loss rises (overfitting).
+    overfit = _points(train_loss=[2.0, 1.8, 1.5, 1.2, 1.0, 0.8], valid_loss=[None, 1.9, None, 2.0, None, 2.2])
+    assert guards.validation_divergence(overfit, evaluations=2, kind="supervised") is not None
+    assert (
+        guards.validation_divergence(overfit[:-1], evaluations=2, kind="supervised") is None
+    )  # not at an eval
+
+
+def test_hang_and_best_checkpoint() -> None:
+    assert guards.hang(10.0, seconds=30) is None
+    fired = guards.hang(31.5, seconds=30)
+    assert fired is not None and fired.numbers == {"idle_s": 31.5}
+    ckpts = [(3, {"full_valid_reward_mean": 0.4}), (6, {"full_valid_reward_mean": 0.7}), (9, {}), (12, None)]
+    assert guards.best_checkpoint(ckpts, "reinforcement") == 6
+    assert guards.best_checkpoint([(3, {"full_valid_loss": 2.0}), (6, {"full_valid_loss": 1.5})], "dpo") == 6
+    assert guards.best_checkpoint([(3, {}), (6, None)], "supervised") is None
+
+
+def test_evaluate_honours_off() -> None:
+    nan = [{"step": 1, "train_loss": None}]
+    assert set(guards.evaluate(nan, DEFAULTS, "supervised")) == {"non_finite"}
+    off = job_guards.resolve({"non_finite": {"action": "off"}})
+    assert guards.evaluate(nan, off, "supervised") == {}
+
+
+def test_resolve_checks_every_setting() -> None:
+    assert job_guards.resolve(None) == DEFAULTS
+    given = job_guards.resolve({"hang": {"seconds": 60, "action": "warn"}, "explosion": {"window": 5.0}})
+    assert given["hang"] == {"seconds": 60.0, "action": "warn"} and given["explosion"]["window"] == 5
+    assert given["non_finite"] == {"action": "pause"}
+    # A stored row's guards win over the defaults (a job keeps what it was created with).
+    assert job_guards.resolve(None, given) == given
+    bad: list[tuple[Any, str]] = [
+        ([1], "guards"),
+        ({"speed": {}}, "guards.speed"),
+        ({"hang": 5}, "guards.hang"),
+        ({"hang": {"minutes": 5}}, "guards.hang.minutes"),
+        ({"hang": {"seconds": 0}}, "guards.hang.seconds"),
+        ({"hang": {"seconds": "5"}}, "guards.hang.seconds"),
+        ({"hang": {"seconds": True}}, "guards.hang.seconds"),
+        ({"error_rate": {"max_rate": 1.5}}, "guards.error_rate.max_rate"),
+        ({"explosion": {"window": 2.5}}, "guards.explosion.window"),
+        ({"hang": {"action": "explode"}}, "guards.hang.action"),
+    ]
+    for body, param in bad:
+        with pytest.raises(InvalidRequest) as caught:
+            job_guards.resolve(body)
+        assert caught.value.param == param, body
+
+
+# ---- through the SDK -----------------------------------------------------------------------------------
+
+
+def _refusal(call: Any) -> tuple[int, dict[str, Any]]:
+    with pytest.raises(openai.APIStatusError) as caught:
+        call()
+    return caught.value.status_code, caught.value.response.json()["error"]
+
+
+def test_guards_on_the_job_and_bad_input(guard_worker: WorkerProcess, tenant: Tenant) -> None:
+    training = upload_rows(tenant, SFT)
+    for body, param in [
+        ({"nope": {}}, "guards.nope"),
+        ({"hang": {"seconds": -1}}, "guards.hang.seconds"),
+        ({"error_rate": {"max_rate": 2}}, "guards.error_rate.max_rate"),
+        ({"non_finite": {"action": "ignore"}}, "guards.non_finite.action"),
+        ({"hang": {"seconds": 10, "x": 1}}, "guards.hang.x"),
+        ([], "guards"),
+    ]:
+        full = {"model": BASE, "training_file": training, "guards": body}
+        for path in ("/fine_tuning/jobs", ESTIMATE):
+            status, error = _refusal(lambda b=full, p=path: tenant.client.post(p, body=b, cast_to=object))
+            assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", (
+                error
+            )
+            assert set(error) == {"message", "type", "param", "code"}
+    assert tenant.client.fine_tuning.jobs.list().data == []
+    given = {"hang": {"seconds": 120, "action": "warn"}}
+    expected = {**DEFAULTS, "hang": {"seconds": 120.0, "action": "warn"}}
+    body = {"model": BASE, "training_file": training, "guards": given}
+    estimate: Any = tenant.client.post(ESTIMATE, body=body, cast_to=object)
+    assert estimate["guards"] == expected
+    job = tenant.client.fine_tuning.jobs.create(
+        model=BASE, training_file=training, extra_body={"guards": given}
+    )
+    assert (tenant.client.fine_tuning.jobs.retrieve(job.id).model_extra or {})["guards"] == expected
+    # A clean run at the base learning rate trips no guard (8 steps).
+    done = wait_for(tenant, job.id, timeout=60)
+    assert done.status == "succeeded", done.error
+    tripped = [
+        e.message
+        for e in all_events(tenant, job.id)
+        if e.message.startswith((GUARD_WARNING + " ", GUARD_PAUSED))
+    ]
+    assert tripped == []
+
+
+def _guard_event(t: Tenant, job_id: str, prefix: str) -> Any:
+    found = [e for e in all_events(t, job_id) if e.message.startswith(prefix)]
+    assert len(found) == 1, [e.message for e in all_events(t, job_id)]
+    return found[0]
+
+
+def _rl_job(t: Tenant, source: str, guards_given: dict[str, Any], steps: int = 12) -> Any:
+    """A reinforcement job of 2 prompts x 4 answers a step on `RFT`, graded by a python grader `source`."""
+    hp = {
+        "n_epochs": 50,
+        "batch_size": 2,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": steps,
+        "checkpoint_every": 1,
+    }
+    return t.client.fine_tuning.jobs.create(
+        model=BASE,
+        training_file=upload_rows(t, RFT),
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": {"type": "python", "name": "py", "source": source},
+                "hyperparameters": hp,
+            },
+        },
+        extra_body={"guards": guards_given},
+    )
+
+
+def _too_high(
+    t: Tenant,
+    checkpoint_every: int,
+    validation: str | None = None,
+    guards_given: dict[str, Any] | None = None,
+) -> Any:
+    """A supervised job of 40 one-example steps at 100 times the base learning rate (a fixed seed: the same
+    run every time)."""
+    hp = {
+        "n_epochs": 50,
+        "batch_size": 1,
+        "max_steps": 40,
+        "checkpoint_every": checkpoint_every,
+        "learning_rate_multiplier": 100,
+    }
+    return t.client.fine_tuning.jobs.create(
+        model=BASE,
+        training_file=upload_rows(t, SFT),
+        validation_file=validation,
+        seed=7,
+        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+        extra_body={"guards": guards_given or {}},
+    )
+
+
+@pytest.mark.slow
+def test_a_learning_rate_100_times_too_high_pauses_resumably(
+    guard_worker: WorkerProcess, tenant: Tenant
+) -> None:
+    jobs = tenant.client.fine_tuning.jobs
+    job = _too_high(tenant, checkpoint_every=1000)
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    seen = [(m["step"], m.get("train_loss"), m.get("grad_norm")) for m in metrics(tenant, job.id)]
+    assert paused.status == "paused", seen
+    wait_trainer_gone(job.id)
+    event = _guard_event(tenant, job.id, GUARD_PAUSED)
+    data = event.data or {}
+    assert (
+        event.level == "warn" and data["guard"] in ("non_finite", "explosion") and data["action"] == "pause"
+    )
+    assert data["step"] <= 10 and data["signal"] and data["settings"] == _settings(data["guard"])
+    ckpts = jobs.checkpoints.list(job.id).data
+    assert len(ckpts) == 1 and data["step"] <= ckpts[0].step_number <= data["step"] + 2
+    # Resumable: going on is the user's choice, and that guard only warns in later attempts.
+    saved = ckpts[0].step_number
+    assert jobs.resume(job.id).status == "queued"
+    deadline = time.monotonic() + 45
+    while max(metrics_steps(tenant, job.id)) <= saved:
+        assert time.monotonic() < deadline, "the resumed job did not progress"
+        assert jobs.retrieve(job.id).status in ("queued", "running")
+        time.sleep(0.3)
+    assert jobs.retrieve(job.id).status == "running"
+    warned = [e for e in all_events(tenant, job.id) if e.message.startswith(GUARD_WARNING + " ")]
+    assert all((e.data or {})["action"] == "warn" for e in warned)
+    assert jobs.cancel(job.id).status == "cancelled"
+
+
+@pytest.mark.slow
+def test_rollback_resumes_from_the_best_validation_checkpoint(
+    guard_worker: WorkerProcess, tenant: Tenant
+) -> None:
+    jobs = tenant.client.fine_tuning.jobs
+    rollback = {"action": "rollback"}
+    validation = upload_rows(tenant, SFT[:2], "valid.jsonl")
+    job = _too_high(tenant, 1, validation, {"non_finite": rollback, "explosion": rollback})
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    seen = [(m["step"], m.get("train_loss"), m.get("grad_norm")) for m in metrics(tenant, job.id)]
+    assert paused.status == "paused", seen
+    wait_trainer_gone(job.id)
+    data = _guard_event(tenant, job.id, GUARD_PAUSED).data or {}
+    assert data["action"] == "rollback"
+    scored = {
+        c.step_number: c.metrics.full_valid_loss
+        for c in jobs.checkpoints.list(job.id, limit=100).data
+        if c.metrics.full_valid_loss is not None and math.isfinite(c.metrics.full_valid_loss)
+    }
+    best = min(scored, key=lambda step: scored[step])
+    assert data["resume_from_step"] == best and best < max(scored), scored
+    # Resumed, it starts from that checkpoint, not the last one.
+    assert jobs.resume(job.id).status == "queued"
+    started = f"Fine-tuning job started (attempt 2), resuming from step {best}"
+    deadline = time.monotonic() + 30
+    while started not in [e.message for e in all_events(tenant, job.id)]:
+        assert time.monotonic() < deadline, [e.message for e in all_events(tenant, job.id)][:5]
+        time.sleep(0.3)
+    assert jobs.cancel(job.id).status == "cancelled"
+
+
+@pytest.mark.slow
+def test_a_trainer_that_stops_making_progress_is_paused(guard_worker: WorkerProcess, tenant: Tenant) -> None:
+    # The grader's 17th call (the third step's first) sleeps 9 s: no step for longer than the 4 s allowed.
+    sleepy = (
+        "import time\nCALLS = [0]\n"
+        "def grade(sample, item):\n"
+        "    CALLS[0] += 1\n"
+        "    if CALLS[0] == 17:\n"
+        "        time.sleep(9)\n"
+        "    return 1.0\n"
+    )
+    job = _rl_job(tenant, sleepy, {"hang": {"seconds": 4}})
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    assert paused.status == "paused", paused.error
+    event = _guard_event(tenant, job.id, GUARD_PAUSED)
+    data = event.data or {}
+    assert data["guard"] == "hang" and data["settings"] == {"seconds": 4.0} and data["signal"]["idle_s"] > 4
+    wait_trainer_gone(job.id)
+    assert tenant.client.fine_tuning.jobs.checkpoints.list(job.id).data  # resumable from its last checkpoint
+
+
+@pytest.mark.slow
+def test_a_grader_that_errors_on_a_tenth_of_its_calls(guard_worker: WorkerProcess, tenant: Tenant) -> None:
+    flaky = (
+        "CALLS = [0]\n"
+        "def grade(sample, item):\n"
+        "    CALLS[0] += 1\n"
+        "    if CALLS[0] % 10 == 0:\n"
+        "        raise RuntimeError('grader down')\n"
+        "    return 1.0\n"
+    )
+    job = _rl_job(tenant, flaky, {"length_runaway": {"action": "off"}})
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    assert paused.status == "paused", paused.error
+    data = _guard_event(tenant, job.id, GUARD_PAUSED).data or {}
+    assert data["guard"] == "error_rate" and data["step"] <= 5
+    assert data["signal"]["error_rate"] > 0.05 and len(data["signal"]["rates"]) == 3
+    wait_trainer_gone(job.id)
