@@ -35,7 +35,8 @@ RECORDED = """
 SELECT job_id, base_model, sum(trained_tokens)::bigint AS tokens, sum(training_seconds)::float8 AS seconds
 FROM training_usage WHERE organization_id = $1 AND job_id = ANY($2::text[])
 GROUP BY job_id, base_model"""
-# The running attempt's last metrics event (after the attempt's start): its cumulative tokens and its time.
+# The last attempt's last metrics event (after the attempt's start): its cumulative tokens and its time, while
+# the attempt runs and after it was stopped (paused, cancelled) until its usage row is recorded.
 LIVE = """
 SELECT j.id AS job_id, j.model AS base_model, m.tokens,
        greatest(0, extract(epoch FROM m.created_at - s.created_at))::float8 AS seconds
@@ -47,7 +48,10 @@ JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(data->'tokens') = 'number'
               FROM fine_tuning_job_events
               WHERE job_id = j.id AND type = 'metrics' ORDER BY seq DESC LIMIT 1) m
     ON m.created_at >= s.created_at
-WHERE j.organization_id = $1 AND j.id = ANY($2::text[]) AND j.status = 'running'"""
+WHERE j.organization_id = $1 AND j.id = ANY($2::text[]) AND j.status = ANY($3::text[])
+  AND NOT EXISTS (SELECT 1 FROM training_usage u WHERE u.job_id = j.id AND u.created_at >= s.created_at)"""
+LIVE_STATES = ("running", "paused", "cancelled")
+"""States in which a job's last attempt may have progress its usage row does not hold yet."""
 GRADERS = """
 SELECT k.name, u.base_model, sum(u.prompt_tokens)::bigint AS prompt_tokens,
        sum(u.completion_tokens)::bigint AS completion_tokens
@@ -121,8 +125,8 @@ async def job_costs(conn: Conn, settings: Settings, rows: list[JobRow]) -> dict[
     for t in await _recorded(conn, org_id, ids):
         accrued[t.job_id] += training_cost(settings, t.base_model, t.tokens or 0, t.seconds)
         tokens[t.job_id] += t.tokens or 0
-    if any(r.status == "running" for r in rows):
-        for live in rows_to(_Training, await conn.fetch(LIVE, org_id, ids)):
+    if any(r.status in LIVE_STATES for r in rows):
+        for live in rows_to(_Training, await conn.fetch(LIVE, org_id, ids, list(LIVE_STATES))):
             unrecorded = max(0, (live.tokens or 0) - tokens[live.job_id])
             accrued[live.job_id] += training_cost(settings, live.base_model, unrecorded, live.seconds)
     graded = [r.id for r in rows if r.method.grader is not None and any(model_graders(r.method.grader))]

@@ -195,6 +195,8 @@ def test_max_cost_pauses_at_its_step_bills_to_it_and_resumes(
     job = jobs.create(model=BASE, training_file=training, method=method, extra_body={"max_cost": limit})
     paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=90)
     assert paused.status == "paused", paused.error
+    # Paused, its cost shows what it spent: the attempt's progress until its usage row is recorded, then that
+    assert (paused.model_extra or {})["cost"]["accrued"] >= limit
     wait_trainer_gone(job.id)
     events = [e for e in all_events(tenant, job.id) if e.message.startswith(MAX_COST_PAUSED)]
     assert len(events) == 1 and events[0].level == "warn"
