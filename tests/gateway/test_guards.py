@@ -236,7 +236,7 @@ def _guard_event(t: Tenant, job_id: str, prefix: str) -> Any:
     return found[0]
 
 
-def _rl_job(t: Tenant, source: str, guards_given: dict[str, Any], steps: int = 12) -> Any:
+def _rl_job(t: Tenant, source: str, guards_given: dict[str, Any], steps: int = 12, **more: Any) -> Any:
     """A reinforcement job of 2 prompts x 4 answers a step on `RFT`, graded by a python grader `source`."""
     hp = {
         "n_epochs": 50,
@@ -245,10 +245,12 @@ def _rl_job(t: Tenant, source: str, guards_given: dict[str, Any], steps: int = 1
         "max_completion_length": 8,
         "max_steps": steps,
         "checkpoint_every": 1,
+        **more,
     }
     return t.client.fine_tuning.jobs.create(
         model=BASE,
         training_file=upload_rows(t, RFT),
+        seed=7,
         method={
             "type": "reinforcement",
             "reinforcement": {
@@ -385,4 +387,29 @@ def test_a_grader_that_errors_on_a_tenth_of_its_calls(guard_worker: WorkerProces
     data = _guard_event(tenant, job.id, GUARD_PAUSED).data or {}
     assert data["guard"] == "error_rate" and data["step"] <= 5
     assert data["signal"]["error_rate"] > 0.05 and len(data["signal"]["rates"]) == 3
+    wait_trainer_gone(job.id)
+
+
+@pytest.mark.slow
+def test_a_reward_gameable_by_length(guard_worker: WorkerProcess, tenant: Tenant) -> None:
+    # Longer is better: the policy is paid to run into `max_completion_length` (at 20 times the base learning
+    # rate it learns that within a few steps; the untrained tiny-chat already hits the limit on most answers).
+    longer = "def grade(sample, item):\n    return min(len(sample['output_text']) / 40, 1.0)\n"
+    job = _rl_job(
+        tenant,
+        longer,
+        {"length_runaway": {"action": "pause", "steps": 3}},
+        steps=30,
+        learning_rate_multiplier=20,
+        checkpoint_every=1000,
+    )
+    paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
+    seen = [
+        (m["step"], m.get("completions/clipped_ratio"), m.get("completion_length_mean"), m.get("reward_mean"))
+        for m in metrics(tenant, job.id)
+    ]
+    assert paused.status == "paused", seen
+    data = _guard_event(tenant, job.id, GUARD_PAUSED).data or {}
+    assert data["guard"] == "length_runaway" and data["step"] <= 15, seen
+    assert len(data["signal"]["clipped_ratio"]) == 3 and min(data["signal"]["clipped_ratio"]) >= 0.9
     wait_trainer_gone(job.id)
