@@ -90,8 +90,10 @@ class Side:
         with httpx.Client(trust_env=False, timeout=120) as http:
             return http.post(f"{self.url}{path}", json=body)
 
-    def chat(self, model: str, **kwargs: Any) -> Any:
-        return self.org.client.chat.completions.create(
+    def chat(self, model: str, *, retries: int = 0, **kwargs: Any) -> Any:
+        """A chat through the gateway; `retries`: times a 503 is retried after its `retry-after`, as the
+        SDK's default client does."""
+        return self.org.client.with_options(max_retries=retries).chat.completions.create(
             model=model, messages=MESSAGES, **{"max_tokens": 2, "temperature": 0, **kwargs}
         )
 
@@ -243,7 +245,8 @@ def test_unload_during_streams_lets_every_stream_finish_on_its_adapter(
     def stream(i: int) -> None:
         parts: list[str] = []
         ready.wait(60)  # the ten sent together, so that none can end before the last has begun
-        for chunk in side.chat(model, stream=True, **long):
+        # ten streams opened at once on a busy machine: a 503 is retried as the SDK's default client does
+        for chunk in side.chat(model, stream=True, retries=2, **long):
             for choice in chunk.choices:
                 if choice.delta.content:
                     parts.append(choice.delta.content)
