@@ -3,23 +3,27 @@
 The body is validated as a create validates it (`service.validate`: the same 400s, and another organisation's
 file is refused as at create), its files are checked row by row and its `"auto"` hyperparameters resolved as
 the create resolves them; then its files are tokenised with the base model's tokenizer and priced
-(`gateway.jobs.projection`). Whether the job would be let start is the create's own budget check
-(`gateway.jobs.cost.budget_verdict`). Nothing is stored.
+(`gateway.jobs.projection`). A reinforcement estimate first samples its pilot (`gateway.jobs.pilot`: a few
+training prompts through the chat route with the caller's key) to measure the completions' length. Whether
+the job would be let start is the create's own budget check (`gateway.jobs.cost.budget_verdict`). Nothing
+is stored.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
+from typing import Any
 
 import anyio
 
-from gateway.deps import Resources
+from gateway.deps import Caller, Resources
 from gateway.errors import InvalidRequest
-from gateway.jobs import cost, guards, projection, service
-from gateway.jobs.protocol import BudgetState, JobCreate, JobEstimate
+from gateway.jobs import cost, guards, pilot, projection, service
+from gateway.jobs.protocol import BudgetState, CostRange, JobCreate, JobEstimate
 from gateway.jobs.validation import RowError
-from gateway.tenancy.keys import Principal
+from trainer.contract import AnyHyperparameters, ReinforcementHyperparameters
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +32,30 @@ def _file_ids(body: JobCreate) -> tuple[str, str | None]:
     return body.training_file, body.validation_file
 
 
-async def estimate(res: Resources, who: Principal, body: JobCreate) -> JobEstimate:
+async def _pilot(
+    res: Resources, caller: Caller, body: JobCreate, hp: AnyHyperparameters, training: Path
+) -> tuple[CostRange | None, dict[str, Any] | None]:
+    """A reinforcement job's pilot: the measured tokens of a completion (None when it did not run) and its
+    report; (None, None) for the other methods."""
+    if not isinstance(hp, ReinforcementHyperparameters):
+        return None, None
+    settings = res.settings
+    pick = functools.partial(pilot.pick_prompts, training, max_line_bytes=settings.max_jsonl_line_bytes)
+    found = await pilot.run(
+        settings,
+        caller.key,
+        model=body.model,
+        prompts=await anyio.to_thread.run_sync(pick),
+        hp=hp,
+        seed=body.seed,
+        count=functools.partial(projection.count_texts, settings.base_model_path(body.model)),
+    )
+    return (found.completion() if found.ran else None), found.report(settings)
+
+
+async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstimate:
     """The estimate of a create with this body (see the module)."""
+    who = caller.principal
     org = who.organization_id
     method, files, training = await service.validate(res, who, body)
     try:
@@ -58,6 +84,7 @@ async def estimate(res: Resources, who: Principal, body: JobCreate) -> JobEstima
             counted.append(await anyio.to_thread.run_sync(count))
         except RowError as exc:
             raise InvalidRequest(f"File {file_id}: {exc}", param=which, code=f"invalid_{which}") from None
+    completion, pilot_report = await _pilot(res, caller, body, hp, files[0])
     measured = await cost.throughput(res.pool, org_id=org, base_model=body.model, method=method.type)
     arithmetic = functools.partial(  # in a thread: a large file's counts are sorted
         projection.estimate,
@@ -68,6 +95,8 @@ async def estimate(res: Resources, who: Principal, body: JobCreate) -> JobEstima
         train=counted[0],
         valid=counted[1] if len(counted) > 1 else None,
         grader=method.grader,
+        completion=completion,
+        pilot=pilot_report,
         throughput=(
             projection.Throughput(measured, measured=True)
             if measured is not None

@@ -7,7 +7,10 @@ on (`trained_tokens`, TRL's `num_tokens`):
 - supervised: each example's chat tokenised whole, cut at `max_length`;
 - dpo: the prompt with the preferred answer, and the prompt with the other one, each cut at `max_length`;
 - reinforcement: each of a prompt's `num_generations` completions with the prompt before it. A completion's
-  length is unknown before sampling: one token at least, `max_completion_length` at most, half of it expected.
+  length is measured by the estimate's pilot (`gateway.jobs.pilot`: a few training prompts sampled by the base
+  model with the job's sampling settings): its mean expected, its 10th and 90th percentiles low and high.
+  Without a pilot (it was refused, or no engine answered) the length is only bounded: one token at least,
+  `max_completion_length` at most, half of it expected.
 
 A run trains on `steps` batches (`trainer.contract.total_steps`): the whole file `n_epochs` times, or fewer
 when `max_steps` cuts it. Which examples a cut epoch trains on is the shuffle's choice, so low and high take
@@ -168,6 +171,13 @@ def count_file(
         return FileTokens(_row_counts(tokenizer, kind, rows, max_length or 2**31))
 
 
+def count_texts(model_path: Path, texts: list[str]) -> list[int]:
+    """Tokens of each text with the base model's tokenizer, without special tokens (call in a thread)."""
+    tokenizer = _tokenizer(str(model_path))
+    with _TOKENIZING:
+        return [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+
 def approximate(rows: int, chars: int) -> FileTokens:
     """Counts from a file's size alone (`DatasetSummary`), without the tokenizer: the estimate stored when a
     job is queued."""
@@ -207,10 +217,12 @@ def _plus(*ranges: CostRange) -> CostRange:
 ZERO = CostRange(low=0, expected=0, high=0)
 
 
-def _completion(hp: AnyHyperparameters) -> CostRange:
-    """Tokens of one sampled completion (reinforcement)."""
+def _completion(hp: AnyHyperparameters, measured: CostRange | None) -> CostRange:
+    """Tokens of one sampled completion (reinforcement): as the pilot measured them, else bounded."""
     if not isinstance(hp, ReinforcementHyperparameters):
         return ZERO
+    if measured is not None:
+        return measured
     most = hp.max_completion_length
     return CostRange(low=1, expected=most / 2, high=most)
 
@@ -283,8 +295,11 @@ def estimate(
     valid: FileTokens | None,
     grader: Any,
     throughput: Throughput,
+    completion: CostRange | None = None,
+    pilot: dict[str, Any] | None = None,
 ) -> Estimate:
-    """Tokens, time and USD of a run of `hp` over these files, with its assumptions."""
+    """Tokens, time and USD of a run of `hp` over these files, with its assumptions. `completion`: the tokens
+    of one sampled completion as the pilot measured them (reinforcement), and `pilot` its report."""
     rows = len(train.counts)
     steps = total_steps(kind, rows, hp.batch_size, hp.n_epochs, hp.max_steps)
     if kind == "reinforcement":
@@ -293,7 +308,7 @@ def estimate(
         per_epoch = math.ceil(rows / hp.batch_size)
         examples = (steps // per_epoch) * rows + (steps % per_epoch) * hp.batch_size
     generations = hp.num_generations if isinstance(hp, ReinforcementHyperparameters) else 1
-    completion = _completion(hp)
+    completion = _completion(hp, completion)
     sampled = _scale(completion, examples * generations)
     trained = _plus(_scale(_examples(examples, train.counts), generations), sampled)
     evaluated, evaluations = _evaluated(kind, hp, steps, valid, completion)
@@ -318,7 +333,17 @@ def estimate(
         judged_usd,
     )
     assumptions = _assumptions(
-        settings, base_model, kind, train, examples, completion, evaluations, graders, throughput, margin
+        settings,
+        base_model,
+        kind,
+        train,
+        examples,
+        completion,
+        pilot,
+        evaluations,
+        graders,
+        throughput,
+        margin,
     )
     return Estimate(
         steps=steps,
@@ -336,6 +361,7 @@ def _assumptions(
     train: FileTokens,
     examples: int,
     completion: CostRange,
+    pilot: dict[str, Any] | None,
     evaluations: dict[str, int],
     graders: list[dict[str, Any]],
     throughput: Throughput,
@@ -358,14 +384,31 @@ def _assumptions(
         ),
     ]
     if kind == "reinforcement":
+        measured = pilot is not None and pilot.get("ran") is True
         out.append(
             Assumption(
                 name="completion_tokens",
                 value=completion.model_dump(),
-                detail="Tokens of a sampled completion: expected half of max_completion_length, at most "
-                "all of it, at least one",
+                detail="Tokens of a sampled completion, its end-of-sequence token included: as the pilot "
+                "measured them, the mean expected, the 10th and 90th percentiles low and high"
+                if measured
+                else "Tokens of a sampled completion, not measured (see pilot): expected half of "
+                "max_completion_length, at most all of it, at least one",
             )
         )
+        if pilot is not None:
+            out.append(
+                Assumption(
+                    name="pilot",
+                    value=pilot,
+                    detail="Completions sampled from the base model for a few training prompts with the "
+                    "job's temperature and max_completion_length, through the chat route with this key "
+                    "(metered as its own completions); an environment's prompt is sampled as its first "
+                    "turn only"
+                    if measured
+                    else "The pilot that measures completions did not run: " + str(pilot.get("reason")),
+                )
+            )
     out.append(
         Assumption(
             name="evaluations",

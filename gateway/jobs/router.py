@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 
-from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep
+from gateway.deps import CallerDep, PrincipalDep, RequestLimitDep, ResourcesDep
 from gateway.jobs import estimate, service
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEstimate, JobEvent
 from gateway.protocol import CursorPage
@@ -25,8 +25,8 @@ async def create_job(
 
 
 @router.post("/estimate")
-async def estimate_job(body: JobCreate, res: ResourcesDep, who: PrincipalDep) -> JobEstimate:
-    return await estimate.estimate(res, who, body)
+async def estimate_job(body: JobCreate, res: ResourcesDep, caller: CallerDep) -> JobEstimate:
+    return await estimate.estimate(res, caller, body)
 
 
 @router.get("")

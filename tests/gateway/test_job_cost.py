@@ -1,8 +1,9 @@
 """Know the cost before a run, and hold a job to its `max_cost`: through the SDK against a running gateway.
 
 `POST /v1/fine_tuning/jobs/estimate` counts a file's tokens with the base model's tokenizer as the trainer
-does (exact for supervised and DPO files, the completions' length bounded for reinforcement), prices them,
-and refuses what a create refuses, in the same envelope. Jobs carry their cost, accrued and projected. A job
+does (exact for supervised and DPO files; for reinforcement, the completions' length measured by a pilot
+sampled through the chat route, or bounded when it cannot run), prices them, and refuses what a create
+refuses, in the same envelope. Jobs carry their cost, accrued and projected. A job
 whose cost reaches its `max_cost` pauses with a checkpoint and an event that gives the numbers, is billed to
 that step only, and goes on when resumed.
 """
@@ -16,15 +17,18 @@ import httpx
 import openai
 import pytest
 
+from gateway.jobs.pilot import PILOT_SEED
 from gateway.worker.job.metering import MAX_COST_PAUSED
 from tests.support.data import BASE, DPO, RFT, SAYS_YES, SFT
-from tests.support.fixtures import worker_fixture
+from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics_steps, upload_rows, wait_for, wait_trainer_gone
 from tests.support.stack import GatewayServer, Tenant, WorkerProcess
 
 ESTIMATE = "/fine_tuning/jobs/estimate"
 
 cost_worker = worker_fixture(of="stack")
+gw = gateway_fixture("estimate-pilot", usage_flush_interval_s=0.3)
+"""A gateway whose engine serves `tiny-chat` (the session's `stack` serves no model): the pilot samples."""
 
 
 def _estimate(t: Tenant, **body: Any) -> dict[str, Any]:
@@ -115,6 +119,107 @@ def test_reinforcement_estimate_bounds_the_sampled_completions(stack: GatewaySer
     _exact(est["tokens"]["judged"], 0)  # a string check calls no model
     assumed = {a["name"]: a["value"] for a in est["assumptions"]}
     assert assumed["completion_tokens"] == {"low": 1, "expected": 8, "high": 16}
+    # No engine serves tiny-chat here: the pilot was refused by the chat route, and says so.
+    pilot = assumed["pilot"]
+    reason = pilot.pop("reason")
+    assert pilot == {
+        "ran": False,
+        "model": BASE,
+        "prompts": 4,
+        "completions_per_prompt": 4,
+        "temperature": 1.0,
+        "max_completion_tokens": 16,
+        "seed": PILOT_SEED,
+    }
+    assert reason.startswith("the chat route answered 503"), reason
+
+
+def _usage_tokens(gw: GatewayServer, t: Tenant) -> tuple[int, int, int]:
+    """Input tokens, output tokens and requests of the organisation's completions (the usage API)."""
+    page = httpx.get(
+        f"{gw.url}/v1/organization/usage/completions",
+        params={"start_time": int(time.time()) - 3600, "bucket_width": "1h"},
+        headers={"Authorization": f"Bearer {t.key}"},
+    ).json()
+    rows = [r for bucket in page["data"] for r in bucket["results"]]
+    return (
+        sum(r["input_tokens"] for r in rows),
+        sum(r["output_tokens"] for r in rows),
+        sum(r["num_model_requests"] for r in rows),
+    )
+
+
+def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
+    gw: GatewayServer, gw_admin: Any
+) -> None:
+    t = gw_admin.tenant("pilot-org")
+    hp = {
+        "n_epochs": 1,
+        "batch_size": 2,
+        "num_generations": 4,
+        "max_completion_length": 24,
+        "temperature": 0.9,
+    }
+    method = {"type": "reinforcement", "reinforcement": {"grader": SAYS_YES, "hyperparameters": hp}}
+    t0 = time.monotonic()
+    est = _estimate(t, training_file=upload_rows(t, RFT), method=method, seed=11)
+    took = time.monotonic() - t0
+    assumed = {a["name"]: a for a in est["assumptions"]}
+    pilot = assumed["pilot"]["value"]
+    measured = pilot.pop("completion_tokens")
+    usage, cost_usd, seconds = pilot.pop("usage"), pilot.pop("cost_usd"), pilot.pop("seconds")
+    assert pilot == {
+        "ran": True,
+        "model": BASE,
+        "prompts": 4,  # of the file's eight, spread over it
+        "completions_per_prompt": 4,  # num_generations
+        "temperature": 0.9,
+        "max_completion_tokens": 24,
+        "seed": 11,  # the create's
+        "completions": 16,
+        "truncated": pilot["truncated"],
+    }
+    assert 0 <= pilot["truncated"] <= 16 and 0 < seconds < took < 30
+    # The expected length is the engine's own count over the completions; its spread bounds the range.
+    mean = usage["completion_tokens"] / 16
+    assert measured["mean"] == round(mean, 3)
+    assert 1 <= measured["min"] <= measured["median"] <= measured["max"] <= 24
+    completion = assumed["completion_tokens"]["value"]
+    assert completion["expected"] == round(mean, 3)
+    assert (
+        measured["min"]
+        <= completion["low"]
+        <= completion["expected"]
+        <= completion["high"]
+        <= measured["max"]
+    )
+    assert "pilot measured" in assumed["completion_tokens"]["detail"]
+    # Priced into the run: every task once, four completions each, each trained with its prompt.
+    prompts = sum(_tokens(gw, row["messages"], add_generation_prompt=True) for row in RFT)
+    completions = 8 * 4
+    sampled = est["tokens"]["sampled"]
+    assert sampled == {k: pytest.approx(completions * completion[k]) for k in ("low", "expected", "high")}
+    trained = est["tokens"]["trained"]
+    assert trained["expected"] == pytest.approx(4 * prompts + completions * completion["expected"])
+    price = gw.settings.price_of(BASE)
+    expected_usd = round(trained["expected"]) * price.training_per_million / 1e6
+    assert est["cost"]["expected"] == pytest.approx(expected_usd, abs=1e-6)
+    # The pilot is the organisation's own metered completions: the usage API counts exactly its tokens.
+    four = [row["messages"] for i, row in enumerate(RFT) if i in (0, 2, 5, 7)]
+    prompted = sum(_tokens(gw, m, add_generation_prompt=True) for m in four)
+    assert usage["prompt_tokens"] == prompted, (usage, prompted)
+    deadline = time.monotonic() + 15
+    while (found := _usage_tokens(gw, t)) != (usage["prompt_tokens"], usage["completion_tokens"], 4):
+        assert time.monotonic() < deadline, (found, usage)
+        time.sleep(0.3)
+    assert cost_usd == pytest.approx(
+        (
+            usage["prompt_tokens"] * price.input_per_million
+            + usage["completion_tokens"] * price.output_per_million
+        )
+        / 1e6,
+        abs=1e-6,
+    )
 
 
 def test_estimate_refuses_what_a_create_refuses(
