@@ -38,7 +38,7 @@ import httpx
 
 from gateway.files.validation import read_rows
 from gateway.jobs.projection import chat
-from gateway.jobs.protocol import CostRange
+from gateway.jobs.protocol import Assumption, CostRange
 from gateway.settings import Settings
 from gateway.usage.pricing import completion_cost
 from trainer.contract import ReinforcementHyperparameters
@@ -91,6 +91,18 @@ class Pilot:
             low = high = float(self.lengths[0])
         return CostRange(
             low=round(min(low, mean), 3), expected=round(mean, 3), high=round(max(high, mean), 3)
+        )
+
+    def assumption(self, settings: Settings) -> Assumption:
+        """The estimate's `pilot` assumption."""
+        return Assumption(
+            name="pilot",
+            value=self.report(settings),
+            detail="Completions sampled from the base model for a few training prompts with the job's "
+            "temperature and max_completion_length, through the chat route with this key (metered as its "
+            "own completions); an environment's prompt is sampled as its first turn only"
+            if self.ran
+            else f"The pilot that measures completions did not run: {self.reason}",
         )
 
     def report(self, settings: Settings) -> dict[str, Any]:

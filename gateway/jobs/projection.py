@@ -295,11 +295,10 @@ def estimate(
     valid: FileTokens | None,
     grader: Any,
     throughput: Throughput,
-    completion: CostRange | None = None,
-    pilot: dict[str, Any] | None = None,
+    measured: CostRange | None = None,
 ) -> Estimate:
-    """Tokens, time and USD of a run of `hp` over these files, with its assumptions. `completion`: the tokens
-    of one sampled completion as the pilot measured them (reinforcement), and `pilot` its report."""
+    """Tokens, time and USD of a run of `hp` over these files, with its assumptions. `measured`: the tokens
+    of one sampled completion as the pilot measured them (reinforcement)."""
     rows = len(train.counts)
     steps = total_steps(kind, rows, hp.batch_size, hp.n_epochs, hp.max_steps)
     if kind == "reinforcement":
@@ -308,7 +307,7 @@ def estimate(
         per_epoch = math.ceil(rows / hp.batch_size)
         examples = (steps // per_epoch) * rows + (steps % per_epoch) * hp.batch_size
     generations = hp.num_generations if isinstance(hp, ReinforcementHyperparameters) else 1
-    completion = _completion(hp, completion)
+    completion = _completion(hp, measured)
     sampled = _scale(completion, examples * generations)
     trained = _plus(_scale(_examples(examples, train.counts), generations), sampled)
     evaluated, evaluations = _evaluated(kind, hp, steps, valid, completion)
@@ -339,7 +338,7 @@ def estimate(
         train,
         examples,
         completion,
-        pilot,
+        measured is not None,
         evaluations,
         graders,
         throughput,
@@ -361,7 +360,7 @@ def _assumptions(
     train: FileTokens,
     examples: int,
     completion: CostRange,
-    pilot: dict[str, Any] | None,
+    measured: bool,
     evaluations: dict[str, int],
     graders: list[dict[str, Any]],
     throughput: Throughput,
@@ -384,7 +383,6 @@ def _assumptions(
         ),
     ]
     if kind == "reinforcement":
-        measured = pilot is not None and pilot.get("ran") is True
         out.append(
             Assumption(
                 name="completion_tokens",
@@ -396,19 +394,6 @@ def _assumptions(
                 "max_completion_length, at most all of it, at least one",
             )
         )
-        if pilot is not None:
-            out.append(
-                Assumption(
-                    name="pilot",
-                    value=pilot,
-                    detail="Completions sampled from the base model for a few training prompts with the "
-                    "job's temperature and max_completion_length, through the chat route with this key "
-                    "(metered as its own completions); an environment's prompt is sampled as its first "
-                    "turn only"
-                    if measured
-                    else "The pilot that measures completions did not run: " + str(pilot.get("reason")),
-                )
-            )
     out.append(
         Assumption(
             name="evaluations",
