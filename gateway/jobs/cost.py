@@ -23,6 +23,7 @@ from gateway.jobs.protocol import TERMINAL_STATES
 from gateway.jobs.running import key_name
 from gateway.jobs.store import JobRow
 from gateway.limits import store as limits_store
+from gateway.limits.budget import key_month_spend_usd, key_spend_limit_usd, unrecorded_usd
 from gateway.settings import Settings
 from gateway.usage.pricing import completion_cost, training_cost
 
@@ -31,27 +32,6 @@ if TYPE_CHECKING:  # the worker imports this module too, and has no request reso
 
 logger = logging.getLogger(__name__)
 
-RECORDED = """
-SELECT job_id, base_model, sum(trained_tokens)::bigint AS tokens, sum(training_seconds)::float8 AS seconds
-FROM training_usage WHERE organization_id = $1 AND job_id = ANY($2::text[])
-GROUP BY job_id, base_model"""
-# The last attempt's last metrics event (after the attempt's start): its cumulative tokens and its time, while
-# the attempt runs and after it was stopped (paused, cancelled) until its usage row is recorded.
-LIVE = """
-SELECT j.id AS job_id, j.model AS base_model, m.tokens,
-       greatest(0, extract(epoch FROM m.created_at - s.created_at))::float8 AS seconds
-FROM fine_tuning_jobs j
-JOIN LATERAL (SELECT created_at FROM fine_tuning_job_events
-              WHERE job_id = j.id AND dedup_key = 'started:' || j.attempts) s ON true
-JOIN LATERAL (SELECT CASE WHEN jsonb_typeof(data->'tokens') = 'number'
-                          THEN (data->>'tokens')::numeric::bigint END AS tokens, created_at
-              FROM fine_tuning_job_events
-              WHERE job_id = j.id AND type = 'metrics' ORDER BY seq DESC LIMIT 1) m
-    ON m.created_at >= s.created_at
-WHERE j.organization_id = $1 AND j.id = ANY($2::text[]) AND j.status = ANY($3::text[])
-  AND NOT EXISTS (SELECT 1 FROM training_usage u WHERE u.job_id = j.id AND u.created_at >= s.created_at)"""
-LIVE_STATES = ("running", "paused", "cancelled")
-"""States in which a job's last attempt may have progress its usage row does not hold yet."""
 GRADERS = """
 SELECT k.name, u.base_model, sum(u.prompt_tokens)::bigint AS prompt_tokens,
        sum(u.completion_tokens)::bigint AS completion_tokens
@@ -71,23 +51,11 @@ WHERE organization_id = $1 AND base_model = $2 AND method = $3 AND training_seco
 
 
 @dataclass(frozen=True, slots=True)
-class _Training:
-    job_id: str
-    base_model: str
-    tokens: int | None
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
 class _Graded:
     name: str
     base_model: str
     prompt_tokens: int
     completion_tokens: int
-
-
-async def _recorded(conn: Conn, org_id: str, job_ids: list[str]) -> list[_Training]:
-    return rows_to(_Training, await conn.fetch(RECORDED, org_id, job_ids))
 
 
 async def graders_usd(conn: Conn, settings: Settings, *, org_id: str, job_ids: list[str]) -> dict[str, float]:
@@ -104,7 +72,7 @@ async def graders_usd(conn: Conn, settings: Settings, *, org_id: str, job_ids: l
 async def recorded_usd(conn: Conn, settings: Settings, *, org_id: str, job_id: str) -> tuple[int, float]:
     """Trained tokens and USD of a job's ended attempts (`training_usage`), its graders' completions not
     counted."""
-    rows = await _recorded(conn, org_id, [job_id])
+    rows = await limits_store.recorded_training(conn, org_id=org_id, job_ids=[job_id])
     tokens = sum(r.tokens or 0 for r in rows)
     return tokens, sum(training_cost(settings, r.base_model, r.tokens or 0, r.seconds) for r in rows)
 
@@ -121,14 +89,14 @@ async def job_costs(conn: Conn, settings: Settings, rows: list[JobRow]) -> dict[
     org_id = rows[0].organization_id
     ids = [r.id for r in rows]
     accrued = dict.fromkeys(ids, 0.0)
-    tokens = dict.fromkeys(ids, 0)
-    for t in await _recorded(conn, org_id, ids):
+    recorded = await limits_store.recorded_training(conn, org_id=org_id, job_ids=ids)
+    for t in recorded:
         accrued[t.job_id] += training_cost(settings, t.base_model, t.tokens or 0, t.seconds)
-        tokens[t.job_id] += t.tokens or 0
-    if any(r.status in LIVE_STATES for r in rows):
-        for live in rows_to(_Training, await conn.fetch(LIVE, org_id, ids, list(LIVE_STATES))):
-            unrecorded = max(0, (live.tokens or 0) - tokens[live.job_id])
-            accrued[live.job_id] += training_cost(settings, live.base_model, unrecorded, live.seconds)
+    live = [r.id for r in rows if r.status in limits_store.LIVE_STATES]
+    if live:
+        unrecorded = await unrecorded_usd(conn, settings, org_id=org_id, job_ids=live, recorded=recorded)
+        for job_id, usd in unrecorded.items():
+            accrued[job_id] += usd
     graded = [r.id for r in rows if r.method.grader is not None and any(model_graders(r.method.grader))]
     if graded:  # only jobs whose graders call a model have completions of their own
         for job_id, usd in (await graders_usd(conn, settings, org_id=org_id, job_ids=graded)).items():
@@ -164,30 +132,43 @@ async def throughput(conn: Conn, *, org_id: str, base_model: str, method: str) -
 
 @dataclass(frozen=True, slots=True)
 class BudgetVerdict:
-    """The create's monthly-budget check of one job."""
+    """The create's check of one job against the organisation's monthly budget and its key's spend limit."""
 
     estimate_usd: float
-    """The training cost it holds against the budget: the file's bytes over four, times the epochs."""
+    """The training cost it holds against them: the file's bytes over four, times the epochs."""
     budget_usd: float | None
     spent_usd: float
     """Month to date (0 when not read: no budget to hold it against)."""
+    key_limit_usd: float | None = None
+    """The creating key's monthly spend limit, None for none."""
+    key_spent_usd: float = 0.0
+    """The key's month to date (0 when not read: no limit to hold it against)."""
 
     @property
     def left_usd(self) -> float | None:
         return None if self.budget_usd is None else max(0.0, self.budget_usd - self.spent_usd)
 
     @property
+    def key_left_usd(self) -> float | None:
+        return None if self.key_limit_usd is None else max(0.0, self.key_limit_usd - self.key_spent_usd)
+
+    @property
     def allowed(self) -> bool:
-        return self.budget_usd is None or self.spent_usd + self.estimate_usd <= self.budget_usd
+        return self.refusal is None
 
     @property
     def refusal(self) -> str | None:
-        if self.allowed:
-            return None
-        return (
-            f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the organization's remaining "
-            f"monthly budget (${self.left_usd or 0.0:.4f})."
-        )
+        if self.budget_usd is not None and self.spent_usd + self.estimate_usd > self.budget_usd:
+            return (
+                f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the organization's "
+                f"remaining monthly budget (${self.left_usd or 0.0:.4f})."
+            )
+        if self.key_limit_usd is not None and self.key_spent_usd + self.estimate_usd > self.key_limit_usd:
+            return (
+                f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the remaining monthly "
+                f"spend limit of this API key (${self.key_left_usd or 0.0:.4f})."
+            )
+        return None
 
 
 def given_epochs(method: JobMethod) -> int:
@@ -199,26 +180,35 @@ def given_epochs(method: JobMethod) -> int:
 async def budget_verdict(
     res: Resources,
     org_id: str,
+    key_id: str | None,
     base_model: str,
     file_bytes: int,
     epochs: int,
     *,
     read_spend: bool = False,
 ) -> BudgetVerdict:
-    """Whether a job's estimated training cost fits the organisation's monthly budget. Trained tokens are
-    estimated from the file (about four bytes a token) times the epochs. The month's spend is read only when
-    there is a budget, or when `read_spend` asks for it."""
+    """Whether a job's estimated training cost fits the organisation's monthly budget and the spend limit of
+    the key that creates it (`key_id`). Trained tokens are estimated from the file (about four bytes a token)
+    times the epochs. A month's spend is read only when there is a limit to hold it against, or when
+    `read_spend` asks for it."""
     billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
     budget = (
         None if billing is None or billing.monthly_budget_usd is None else float(billing.monthly_budget_usd)
     )
     estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
     spent = await res.guard.month_spend_micro(org_id) / 1e6 if budget is not None or read_spend else 0.0
-    return BudgetVerdict(estimate, budget, spent)
+    key_limit = await key_spend_limit_usd(res.pool, key_id=key_id) if key_id is not None else None
+    key_spent = 0.0
+    if key_id is not None and (key_limit is not None or read_spend):
+        key_spent = await key_month_spend_usd(res.pool, res.settings, org_id=org_id, key_id=key_id)
+    return BudgetVerdict(estimate, budget, spent, key_limit, key_spent)
 
 
-async def check_budget(res: Resources, org_id: str, base_model: str, file_bytes: int, epochs: int) -> None:
-    """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget."""
-    verdict = await budget_verdict(res, org_id, base_model, file_bytes, epochs)
+async def check_budget(
+    res: Resources, org_id: str, key_id: str | None, base_model: str, file_bytes: int, epochs: int
+) -> None:
+    """429 `insufficient_quota` when the job's estimated training cost does not fit the monthly budget or the
+    key's spend limit."""
+    verdict = await budget_verdict(res, org_id, key_id, base_model, file_bytes, epochs)
     if verdict.refusal is not None:
         raise InsufficientQuota(verdict.refusal, code="insufficient_quota")

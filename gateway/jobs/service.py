@@ -75,7 +75,9 @@ async def create(
     if replayed is not None:
         return replayed
     method, files, training = await validate(res, who, body)
-    await cost.check_budget(res, who.organization_id, body.model, training.bytes, cost.given_epochs(method))
+    await cost.check_budget(
+        res, who.organization_id, who.api_key_id, body.model, training.bytes, cost.given_epochs(method)
+    )
     row = await _insert(res, who, body, method, idempotency_key, request_hash)
     if row is None:  # a concurrent create with the same key was first
         replayed = await _replayed(res, who, idempotency_key, request_hash)

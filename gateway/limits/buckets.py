@@ -180,6 +180,11 @@ def month_key(org_id: str, at: float | None = None) -> str:
     return f"{KEY_PREFIX}budget:{org_id}:{time.strftime('%Y%m', time.gmtime(at or time.time()))}"
 
 
+def key_month_key(key_id: str, at: float | None = None) -> str:
+    """The month hash of an API key's spend limit (as `month_key` is of an organisation's budget)."""
+    return f"{KEY_PREFIX}keyspend:{key_id}:{time.strftime('%Y%m', time.gmtime(at or time.time()))}"
+
+
 def bucket_key(subject: str, kind: str) -> str:
     """`subject` is `org:<id>` or `key:<id>`; `kind` is `requests` or `tokens`."""
     return f"{KEY_PREFIX}rl:{subject}:{kind}"

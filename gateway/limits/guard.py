@@ -1,15 +1,15 @@
-"""The request-path guard: rate limits and the monthly budget, checked before the upstream call and settled
-after it.
+"""The request-path guard: rate limits, the monthly budget and keys' monthly spend limits, checked before
+the upstream call and settled after it.
 
 `admit()` takes one request and the estimated tokens (prompt estimate + max tokens) from the key's and the
 organisation's buckets in one Lua call (a key without limits of its own gets `default_requests_per_minute` /
 `default_tokens_per_minute`), or, while this gateway holds leases on all of them, from the leases in memory
-(see `leases`), then holds the estimated cost against the organisation's budget, from this gateway's budget
-lease or with another call (see `holds`); `settle()` gives back the unused tokens and turns the estimate into
-the actual cost, in memory. `admit_request()` takes one request from the key's request bucket alone, for
-the routes of a key that cost no tokens (files, evals, graders, jobs, models, usage). Limits and budgets are
-cached here for `limits_cache_ttl_s` (no database round trip per request); the admin API drops the entry of
-an organisation it changes.
+(see `leases`), then holds the estimated cost against the organisation's budget and the key's spend limit,
+each from this gateway's lease on it or with another call (see `holds`); `settle()` gives back the unused
+tokens and turns the estimates into the actual cost, in memory. `admit_request()` takes one request from
+the key's request bucket alone, for the routes of a key that cost no tokens (files, evals, graders, jobs,
+models, usage). Limits and budgets are cached here for `limits_cache_ttl_s` (no database round trip per
+request); the admin API drops the entry of an organisation it changes.
 
 Every admitted completion carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers:
 the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
@@ -36,8 +36,16 @@ import asyncpg
 
 from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store
-from gateway.limits.buckets import Buckets, BucketState, TakeResult, bucket_key, month_key, to_micro
-from gateway.limits.budget import month_spend_usd
+from gateway.limits.buckets import (
+    Buckets,
+    BucketState,
+    TakeResult,
+    bucket_key,
+    key_month_key,
+    month_key,
+    to_micro,
+)
+from gateway.limits.budget import key_month_spend_usd, month_spend_usd
 from gateway.limits.holds import HOLD_TTL_S, SYNC_S, Account
 from gateway.limits.leases import LEASE_TTL_S, Leases
 from gateway.settings import Settings
@@ -69,6 +77,8 @@ class OrgPolicy:
     keys: dict[str, Limit] = field(default_factory=dict)
     budget_micro: int | None = None
     """Monthly hard limit in micro-USD, None for none."""
+    key_spend_micro: dict[str, int] = field(default_factory=dict)
+    """Monthly spend limits of its keys that have one, in micro-USD."""
     expires: float = 0.0
     plans: dict[str, list[tuple[str, int, str]]] = field(default_factory=dict)
     """Per API key: the buckets its requests take from, `(Redis key, capacity, kind)` (see `Guard._plan`)."""
@@ -82,8 +92,8 @@ class Admission:
     base_model: str
     token_buckets: list[tuple[str, int, int]]
     """`(key, capacity, tokens taken)` of the token buckets charged with the estimate."""
-    budget_key: str | None
-    reserved_micro: int
+    holds: list[tuple[str, int]]
+    """`(month key, micro-USD held)` of the budget and the key's spend limit it is held against."""
     headers: dict[str, str]
     settled: bool = False
 
@@ -177,6 +187,8 @@ class Guard:
         for row in await store.limits_of_org(self.pool, org_id=org_id):
             limit = Limit(row.max_requests_per_1_minute, row.max_tokens_per_1_minute)
             if row.api_key_id:
+                if row.monthly_spend_limit_usd is not None:
+                    policy.key_spend_micro[row.api_key_id] = to_micro(row.monthly_spend_limit_usd)
                 # A field the key leaves unset falls back to the default, as a key without a row does.
                 policy.keys[row.api_key_id] = Limit(
                     limit.requests or self.default_key.requests, limit.tokens or self.default_key.tokens
@@ -224,16 +236,24 @@ class Guard:
             self._sweeper = None
 
     def forget(self, org_id: str) -> None:
-        """Drop the cached policy of an organisation (its limits or budget changed), and its budget lease."""
+        """Drop the cached policy of an organisation (its limits or budget changed), and the leases of its
+        budget and its keys' spend limits."""
         self._policies.pop(org_id, None)
-        account = self._accounts.get(month_key(org_id))
-        if account is not None:
-            account.available = 0
+        for account in self._accounts.values():
+            if account.org_id == org_id:
+                account.available = 0
         self._forgotten += 1
 
     async def month_spend_micro(self, org_id: str) -> int:
         """Month-to-date spend of an organisation from the database (completions and training)."""
         return to_micro(await month_spend_usd(self.pool, self.settings, org_id=org_id))
+
+    async def _seed(self, account: Account) -> int:
+        """What a new month's counter starts from: the month's spend of the account's organisation or key."""
+        if account.key_id is None:
+            return await self.month_spend_micro(account.org_id)
+        org_id, key_id = account.org_id, account.key_id
+        return to_micro(await key_month_spend_usd(self.pool, self.settings, org_id=org_id, key_id=key_id))
 
     # ---- the request path ------------------------------------------------------------------------------
     async def admit(
@@ -258,9 +278,13 @@ class Guard:
                 ]
         if headers is None:  # nothing taken (no limits, or Redis unreachable): the effective limits
             headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
-        admission = Admission(org_id, base_model, token_buckets, None, 0, headers)
-        if policy.budget_micro is not None and self.buckets is not None:
-            await self._reserve(admission, policy.budget_micro, prompt_tokens, max_tokens)
+        admission = Admission(org_id, base_model, token_buckets, [], headers)
+        if self.buckets is not None:
+            key_limit = policy.key_spend_micro.get(key_id)
+            if policy.budget_micro is not None:
+                await self._reserve(admission, None, policy.budget_micro, prompt_tokens, max_tokens)
+            if key_limit is not None:
+                await self._reserve(admission, key_id, key_limit, prompt_tokens, max_tokens)
         return admission
 
     async def admit_request(self, org_id: str, key_id: str) -> None:
@@ -352,14 +376,17 @@ class Guard:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _reserve(self, adm: Admission, limit: int, prompt_tokens: int, max_tokens: int) -> None:
-        """Hold the request's estimated cost against the budget: from this gateway's lease, else with one
-        Redis call (after the one in flight on the same month, if any); 429 `insufficient_quota` when over."""
+    async def _reserve(
+        self, adm: Admission, key_id: str | None, limit: int, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        """Hold the request's estimated cost against the organisation's budget (`key_id` None) or the key's
+        spend limit: from this gateway's lease, else with one Redis call (after the one in flight on the same
+        month, if any); 429 `insufficient_quota` when over (what the request held already is given back)."""
         estimate = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, max_tokens))
-        key = month_key(adm.org_id)
+        key = month_key(adm.org_id) if key_id is None else key_month_key(key_id)
         account = self._accounts.get(key)
         if account is None:
-            account = self._accounts[key] = Account(adm.org_id, limit)
+            account = self._accounts[key] = Account(adm.org_id, limit, key_id=key_id)
             if self._syncer is None:
                 self._syncer = self._background(self._sync_holds())
         account.limit = limit
@@ -372,12 +399,15 @@ class Guard:
                 return
             if not granted:
                 await self._refund_tokens(adm)
+                self._release(adm)
+                whose = "the organization's monthly budget"
+                if key_id is not None:
+                    whose = "this API key's monthly spend limit"
                 raise InsufficientQuota(
-                    "You exceeded your current quota: the organization's monthly budget is spent.",
-                    headers=adm.headers,
+                    f"You exceeded your current quota: {whose} is spent.", headers=adm.headers
                 )
             break
-        adm.budget_key, adm.reserved_micro = key, estimate
+        adm.holds.append((key, estimate))
 
     async def _hold(self, key: str, account: Account, estimate: int) -> bool | None:
         """One Redis call for `account` (the only one in flight on it): sends its spend and its hold and, for
@@ -403,7 +433,7 @@ class Guard:
             )
             out = await call()
             if out is not None and out[0] == -1:  # a new month (or a new Redis): seed it from the database
-                out = await call(seed=await self.month_spend_micro(account.org_id))
+                out = await call(seed=await self._seed(account))
             if out is None:
                 return None
             granted, lease = out
@@ -470,7 +500,14 @@ class Guard:
         actual = prompt_tokens + completion_tokens
         for key, cap, taken in adm.token_buckets:
             self._queue_adjust(key, cap, actual - taken)
-        account = self._accounts.get(adm.budget_key) if adm.budget_key is not None else None
-        if account is not None:
+        if adm.holds:
             cost = to_micro(completion_cost(self.settings, adm.base_model, prompt_tokens, completion_tokens))
-            account.settle(adm.reserved_micro, cost)
+            self._release(adm, cost)
+
+    def _release(self, adm: Admission, cost: int = 0) -> None:
+        """Take what `adm` holds off its accounts and owe them its actual `cost`."""
+        for key, reserved in adm.holds:
+            account = self._accounts.get(key)
+            if account is not None:
+                account.settle(reserved, cost)
+        adm.holds = []

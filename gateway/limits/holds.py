@@ -34,11 +34,13 @@ HOLD_TTL_S = 10.0
 
 @dataclass(slots=True)
 class Account:
-    """This gateway's side of one organisation's month (one Redis hash)."""
+    """This gateway's side of one organisation's month, or of one of its keys' (one Redis hash)."""
 
     org_id: str
     limit: int
-    """The budget (micro-USD) as last known."""
+    """The budget or the key's spend limit (micro-USD) as last known."""
+    key_id: str | None = None
+    """The key whose spend limit this is; None for the organisation's budget."""
     in_flight: int = 0
     """Estimates of the requests admitted and not settled yet."""
     available: int = 0

@@ -29,6 +29,8 @@ class Limits(OpenAIBaseModel):
     api_key_id: str | None = None
     max_requests_per_1_minute: int | None = None
     max_tokens_per_1_minute: int | None = None
+    monthly_spend_limit_usd: float | None = None
+    """A key's monthly spend limit (`POST /v1/admin/api_keys/{key_id}/spend_limit`)."""
 
     @classmethod
     def from_row(cls, row: LimitsRow) -> Limits:
@@ -37,7 +39,24 @@ class Limits(OpenAIBaseModel):
             api_key_id=row.api_key_id,
             max_requests_per_1_minute=row.max_requests_per_1_minute,
             max_tokens_per_1_minute=row.max_tokens_per_1_minute,
+            monthly_spend_limit_usd=row.monthly_spend_limit_usd,
         )
+
+
+class SpendLimitUpdate(OpenAIBaseModel):
+    """`POST /v1/admin/api_keys/{key_id}/spend_limit`: the most the key may spend in a UTC calendar month, on
+    its completions, its Tinker training and the jobs it creates; null clears it."""
+
+    monthly_spend_limit_usd: float | None = Field(ge=0, le=MAX_BUDGET_USD, allow_inf_nan=False)
+
+
+class SpendLimit(OpenAIBaseModel):
+    object: Literal["api_key.spend_limit"] = "api_key.spend_limit"
+    api_key_id: str
+    organization_id: str
+    monthly_spend_limit_usd: float | None = None
+    month_to_date_usd: float
+    """What the key has spent this calendar month (UTC), its jobs' progress not yet recorded included."""
 
 
 class BillingUpdate(OpenAIBaseModel):

@@ -8,7 +8,16 @@ import logging
 from gateway.deps import Resources
 from gateway.errors import not_found
 from gateway.limits import store
-from gateway.limits.protocol import BillingSettings, BillingUpdate, Limits, LimitsUpdate, OrgLimits
+from gateway.limits.budget import key_month_spend_usd
+from gateway.limits.protocol import (
+    BillingSettings,
+    BillingUpdate,
+    Limits,
+    LimitsUpdate,
+    OrgLimits,
+    SpendLimit,
+    SpendLimitUpdate,
+)
 from gateway.tenancy import store as tenancy_store
 
 logger = logging.getLogger(__name__)
@@ -32,11 +41,34 @@ async def set_limits(res: Resources, *, org_id: str, key_id: str | None, body: L
     return Limits.from_row(row)
 
 
-async def set_key_limits(res: Resources, *, key_id: str, body: LimitsUpdate) -> Limits:
+async def _org_of_key(res: Resources, key_id: str) -> str:
     org_id = await store.org_of_key(res.pool, key_id=key_id)
     if org_id is None:
         raise not_found("API key", key_id, param="key_id")
-    return await set_limits(res, org_id=org_id, key_id=key_id, body=body)
+    return org_id
+
+
+async def set_key_limits(res: Resources, *, key_id: str, body: LimitsUpdate) -> Limits:
+    return await set_limits(res, org_id=await _org_of_key(res, key_id), key_id=key_id, body=body)
+
+
+async def get_spend_limit(res: Resources, key_id: str) -> SpendLimit:
+    org_id = await _org_of_key(res, key_id)
+    return SpendLimit(
+        api_key_id=key_id,
+        organization_id=org_id,
+        monthly_spend_limit_usd=await store.spend_limit_of_key(res.pool, key_id=key_id),
+        month_to_date_usd=round(
+            await key_month_spend_usd(res.pool, res.settings, org_id=org_id, key_id=key_id), 6
+        ),
+    )
+
+
+async def set_spend_limit(res: Resources, key_id: str, body: SpendLimitUpdate) -> SpendLimit:
+    org_id = await _org_of_key(res, key_id)
+    await store.set_spend_limit(res.pool, org_id=org_id, key_id=key_id, limit=body.monthly_spend_limit_usd)
+    res.guard.forget(org_id)
+    return await get_spend_limit(res, key_id)
 
 
 async def get_billing(res: Resources, org_id: str) -> BillingSettings:

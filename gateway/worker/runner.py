@@ -76,8 +76,8 @@ class JobRun:
         """A reinforcement job's devices for its vLLM generation server (server mode)."""
         job = ctx.row
         self.progress = Progress(step=job.current_step, start_step=job.current_step or 0)
-        self.ingest = Ingest(ctx, progress=self.progress)
         self.meter = Meter(ctx, progress=self.progress, spend=spend)
+        self.ingest = Ingest(ctx, progress=self.progress, cost=self.meter.event_cost)
         self.guards = Guards(ctx, progress=self.progress, pause=self.meter.pause)
         self.process = TrainerProcess(
             ctx,
@@ -143,12 +143,18 @@ class JobRun:
         return text
 
     async def _record(self, event: ProgressEvent) -> None:
-        """Record one of the trainer's events; a step's metrics also check the job's `max_cost` and its
-        guards, and stop the trainer (it checkpoints) at the step that reaches the one or trips the other."""
+        """Record one of the trainer's events; a step's metrics also check the job's `max_cost`, its key's
+        spend limit and its guards, and stop the trainer (it checkpoints) at the step that reaches a limit or
+        trips a guard."""
         await self.ingest.record(event)
         if isinstance(event, MetricsEvent) and self.process.stop_reason is None:
             data = {**event.data, "step": event.step}
-            if await self.meter.check_max_cost() or await self.guards.on_metrics(data):
+            meter = self.meter
+            if (
+                await meter.check_max_cost()
+                or await meter.check_key_limit()
+                or await self.guards.on_metrics(data)
+            ):
                 await self.process.stop("paused")
 
     async def _on_running(self) -> None:

@@ -287,7 +287,7 @@ async def test_a_hold_that_is_not_renewed_stops_counting(
             await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
         await asyncio.sleep(0.4)
         adm = await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
-        assert adm.budget_key == key and adm.reserved_micro == to_micro(15.0)
+        assert adm.holds == [(key, to_micro(15.0))]
         assert b"h:dead" not in await redis.hgetall(key)  # forgotten by the call that found it expired
         await guard.aclose()
 
@@ -337,3 +337,102 @@ def test_routes_that_cost_no_tokens_take_from_the_keys_request_limit(
         assert api.request(method, path, json=body).status_code == 200
     if path.startswith("/v1/organization/"):  # the admin key, in no key's bucket, still reads that usage
         assert gw_admin.http.get(f"{path}&organization_id={org.org_id}").status_code == 200
+
+
+def _second_key(admin: Admin, org: Tenant) -> Tenant:
+    """Another key of `org`'s organisation."""
+    made = admin.http.post(f"/v1/admin/organizations/{org.org_id}/api_keys", json={"name": "second"})
+    made.raise_for_status()
+    return Tenant(admin.gateway_url, org.org_id, made.json()["key"], made.json()["id"])
+
+
+def test_a_keys_spend_limit_refuses_its_completions_and_no_other_keys(gw_admin: Admin) -> None:
+    """Concurrent requests of a key never spend beyond its monthly spend limit; the organisation's other key
+    goes on; the key's month to date is what it was served, from the usage rows."""
+    org = gw_admin.tenant("key-spend-" + secrets.token_hex(3))
+    other = _second_key(gw_admin, org)
+    max_tokens = 2
+    per_request = estimate_prompt_tokens({"messages": MESSAGES}) + max_tokens  # USD, at $1 a token
+    limit = 10 * per_request + 0.5
+    resp = gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/spend_limit", json={"monthly_spend_limit_usd": limit}
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {
+        "object": "api_key.spend_limit",
+        "api_key_id": org.key_id,
+        "organization_id": org.org_id,
+        "monthly_spend_limit_usd": limit,
+        "month_to_date_usd": 0.0,
+    }
+
+    def ask(_: int) -> str:
+        try:
+            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
+            return "served"
+        except openai.RateLimitError as exc:
+            assert exc.code != "insufficient_quota" or exc.message.endswith(
+                "this API key's monthly spend limit is spent."
+            ), exc.message
+            return str(exc.code)
+
+    with ThreadPoolExecutor(50) as pool:
+        outcomes = list(pool.map(ask, range(50)))
+    served = outcomes.count("served")
+    assert 1 <= served <= 10, outcomes
+    assert outcomes.count("insufficient_quota") == 50 - served
+    answer = other.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
+    assert answer.usage is not None and answer.usage.completion_tokens >= 1  # the other key is not limited
+    # The key's month to date, from the usage rows once they are written: what it was served (held against
+    # the limit at the estimate, charged at the actual tokens, as the organisation's budget is).
+    prompt = answer.usage.prompt_tokens
+    low, high = served * (prompt + 1), served * (prompt + max_tokens)
+    deadline = time.monotonic() + 15
+    while (seen := gw_admin.http.get(f"/v1/admin/api_keys/{org.key_id}/spend_limit").json())[
+        "month_to_date_usd"
+    ] < low:
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.3)
+    assert low <= seen["month_to_date_usd"] <= high, (seen, served)
+    with pytest.raises(openai.RateLimitError):  # spent: refused still
+        org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1)
+    listed = gw_admin.http.get(f"/v1/admin/organizations/{org.org_id}/limits").json()
+    mine = [k for k in listed["api_keys"] if k["api_key_id"] == org.key_id]
+    assert len(mine) == 1 and mine[0]["monthly_spend_limit_usd"] == limit
+    assert mine[0]["max_requests_per_1_minute"] is None  # setting the spend limit left the rate limits alone
+    # Cleared: the key is served again.
+    cleared = gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/spend_limit", json={"monthly_spend_limit_usd": None}
+    )
+    assert cleared.status_code == 200 and cleared.json()["monthly_spend_limit_usd"] is None
+    org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=1)
+
+
+def test_spend_limit_bad_input_gets_openais_envelope(gw: GatewayServer, gw_admin: Admin) -> None:
+    org = gw_admin.tenant("key-spend-bad-" + secrets.token_hex(3))
+    path = f"/v1/admin/api_keys/{org.key_id}/spend_limit"
+    for body in (
+        {"monthly_spend_limit_usd": -1},
+        {"monthly_spend_limit_usd": 1e10},
+        {"monthly_spend_limit_usd": "ten"},
+        {},
+    ):
+        resp = gw_admin.http.post(path, json=body)
+        error = resp.json()["error"]
+        assert resp.status_code == 400 and set(error) == {"message", "type", "param", "code"}, resp.text
+        assert (error["type"], error["param"]) == ("invalid_request_error", "monthly_spend_limit_usd"), error
+    raw = gw_admin.http.post(
+        path, content='{"monthly_spend_limit_usd": NaN}', headers={"content-type": "application/json"}
+    )
+    assert raw.status_code == 400 and raw.json()["error"]["param"] == "monthly_spend_limit_usd", raw.text
+    for method in ("GET", "POST"):
+        missing = gw_admin.http.request(
+            method, "/v1/admin/api_keys/key_nope/spend_limit", json={"monthly_spend_limit_usd": 1}
+        )
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "key_id", missing.text
+    # Only the admin key sets it: the organisation's own key is refused.
+    mine = httpx.post(
+        f"{gw.url}{path}", json={"monthly_spend_limit_usd": 1}, headers={"Authorization": f"Bearer {org.key}"}
+    )
+    assert mine.status_code in (401, 403), mine.text
+    assert gw_admin.http.get(path).json()["monthly_spend_limit_usd"] is None

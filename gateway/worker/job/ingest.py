@@ -2,14 +2,15 @@
 rows, and the attempt's progress as the trainer reported it.
 
 Every event is written so that a replay (a job resumed after a lost worker) records it once: metrics by
-step, checkpoints by step, milestones by name. A checkpoint is copied into the blob store and registered
-as a servable model, `<fine-tuned model>:ckpt-step-N`.
+step (each with the job's cost so far), checkpoints by step, milestones by name. A checkpoint is copied into
+the blob store and registered as a servable model, `<fine-tuned model>:ckpt-step-N`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,17 @@ class Progress:
 class Ingest:
     """Records one job's progress events."""
 
-    def __init__(self, ctx: JobContext[JobRow], *, progress: Progress) -> None:
+    def __init__(
+        self,
+        ctx: JobContext[JobRow],
+        *,
+        progress: Progress,
+        cost: Callable[[], Awaitable[dict[str, float] | None]] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.progress = progress
+        self.cost = cost
+        """The job's cost so far, put on each step's metrics event as `cost`."""
         self.env_retries = 0.0
 
     async def record(self, event: ProgressEvent) -> None:
@@ -96,6 +105,9 @@ class Ingest:
         data.setdefault("step", event.step)
         data["total_steps"] = event.total_steps
         self._env_metrics(data)
+        cost = await self.cost() if self.cost is not None else None
+        if cost is not None:
+            data["cost"] = cost
         await jobs_store.add_event(
             self.ctx.pool,
             job_id=self.ctx.id,

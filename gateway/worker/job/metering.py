@@ -15,6 +15,14 @@ the same way (the trainer checkpoints within a step), with an event that gives t
 is billed up to that step only: what the trainer does after it is billed to the next attempt, if the job is
 resumed. Resuming is the user's choice to go on past the limit: a job paused once by its `max_cost` is not
 paused by it again.
+
+A job created with an API key that has a monthly spend limit is held to it at every step too: the key's
+month-to-date spend (`gateway.limits.budget.key_month_spend_usd`: its completions, and its jobs' training,
+the progress of those running side by side included) pauses the job at the step that reaches the limit, billed
+to that step, as `max_cost` does. A job resumed while its key is still over its limit pauses again at its
+first step.
+
+Each step's metrics event carries the job's cost so far (`cost.accrued`) and its projection.
 """
 
 from __future__ import annotations
@@ -29,8 +37,13 @@ from gateway.jobs import cost as job_cost
 from gateway.jobs import running
 from gateway.jobs import store as jobs_store
 from gateway.jobs.store import JobRow
-from gateway.limits.buckets import Buckets, month_key, to_micro
-from gateway.limits.budget import month_spend_usd, monthly_budget_usd
+from gateway.limits.buckets import Buckets, key_month_key, month_key, to_micro
+from gateway.limits.budget import (
+    key_month_spend_usd,
+    key_spend_limit_usd,
+    month_spend_usd,
+    monthly_budget_usd,
+)
 from gateway.usage.pricing import training_cost
 from gateway.worker.context import JobContext
 from gateway.worker.job.ingest import Progress
@@ -41,6 +54,9 @@ logger = logging.getLogger(__name__)
 BUDGET_PAUSED = "Paused: the organisation's monthly budget is reached"
 MAX_COST_PAUSED = "Paused: the job's cost reached its max_cost"
 """The start of the event's message; its data has `reason`, `max_cost`, `accrued` and `step`."""
+KEY_LIMIT_PAUSED = "Paused: the monthly spend limit of the API key that created this job is reached"
+"""The start of the event's message; its data has `reason`, `api_key_id`, `monthly_spend_limit`,
+`month_to_date` and `step`."""
 
 
 class Meter:
@@ -57,9 +73,11 @@ class Meter:
         self.earlier: tuple[int, float] | None = None
         """Trained tokens and USD of the job's earlier attempts (read once: they do not change meanwhile)."""
         self.billed_to: tuple[int, float] | None = None
-        """Cumulative tokens and seconds at the step that reached `max_cost`: the attempt is billed to it."""
-        self.past_limit = False
-        """An earlier attempt was paused by `max_cost`, and the job resumed: this one goes on past it."""
+        """Cumulative tokens and seconds at the step that reached `max_cost` or the key's spend limit: the
+        attempt is billed to it."""
+        self.past_limit: bool | None = None
+        """An earlier attempt was paused by `max_cost`, and the job resumed: this one goes on past it (None:
+        not read yet)."""
 
     async def attempt_cost_usd(self, conn: asyncpg.Connection | asyncpg.Pool) -> float:
         """What this attempt has trained so far costs, priced as its usage will be when it is recorded."""
@@ -100,36 +118,89 @@ class Meter:
         )
         return True
 
-    async def check_max_cost(self) -> bool:
-        """Pause the job when its cost reaches its `max_cost` (the caller stops its trainer), at the step the
-        trainer last reported. True when it paused the job."""
-        limit = self.ctx.row.max_cost_usd
-        if limit is None or self.progress.step is None or self.billed_to is not None or self.past_limit:
-            return False
+    async def accrued_usd(self) -> float:
+        """The job's cost so far: its earlier attempts' recorded cost, its model graders' completions and this
+        attempt's training up to its last reported step, or the step a limit paused it at (priced as its usage
+        will be when recorded)."""
         pool, settings, org_id = self.ctx.pool, self.ctx.settings, self.ctx.org_id
         graders = 0.0
         if calls_models(self.ctx.row):
             found = await job_cost.graders_usd(pool, settings, org_id=org_id, job_ids=[self.ctx.id])
             graders = found.get(self.ctx.id, 0.0)
         if self.earlier is None:
-            # Paused by it before and resumed: the user chose to go on past it.
-            if await job_cost.paused_for_max_cost(pool, job_id=self.ctx.id):
-                self.past_limit = True
-                return False
             self.earlier = await job_cost.recorded_usd(pool, settings, org_id=org_id, job_id=self.ctx.id)
         earlier_tokens, earlier_usd = self.earlier
-        tokens = max(0, (self.progress.tokens_seen or 0) - earlier_tokens)
-        attempt = training_cost(settings, self.ctx.row.model, tokens, self.progress.seconds)
-        accrued = earlier_usd + graders + attempt
+        cumulative, seconds = self.progress.tokens_seen or 0, self.progress.seconds
+        if self.billed_to is not None:  # paused: the steps the trainer finishes after it are not billed
+            cumulative, seconds = min(cumulative, self.billed_to[0]), min(seconds, self.billed_to[1])
+        attempt = training_cost(settings, self.ctx.row.model, max(0, cumulative - earlier_tokens), seconds)
+        return earlier_usd + graders + attempt
+
+    async def event_cost(self) -> dict[str, float] | None:
+        """The `cost` of a step's metrics event: accrued so far, and projected over the job's steps (None
+        when it cannot be read: the event goes without it)."""
+        try:
+            accrued = await self.accrued_usd()
+        except (OSError, asyncpg.PostgresError) as exc:
+            logger.warning("job %s: cost not read: %s", self.ctx.id, exc)
+            return None
+        step, total = self.progress.step or 0, self.ctx.row.total_steps or 0
+        projected = accrued * max(total, step) / step if step > 0 and total > 0 else accrued
+        return {"accrued": round(accrued, 6), "projected_total": round(projected, 6)}
+
+    async def check_max_cost(self) -> bool:
+        """Pause the job when its cost reaches its `max_cost` (the caller stops its trainer), at the step the
+        trainer last reported. True when it paused the job."""
+        limit = self.ctx.row.max_cost_usd
+        if limit is None or self.progress.step is None or self.billed_to is not None or self.past_limit:
+            return False
+        if self.past_limit is None:  # paused by it before and resumed: the user chose to go on past it
+            self.past_limit = await job_cost.paused_for_max_cost(self.ctx.pool, job_id=self.ctx.id)
+            if self.past_limit:
+                return False
+        accrued = await self.accrued_usd()
         if accrued < limit:
             return False
         step = self.progress.step
         message = f"{MAX_COST_PAUSED}: ${accrued:.6f} of ${limit:.6f} at step {step}"
         data = {"reason": "max_cost", "max_cost": limit, "accrued": round(accrued, 6), "step": step}
-        if not await self.pause(message, "max_cost_paused", data):
+        if not await self._pause_at_step(message, "max_cost_paused", data):
+            return False
+        logger.info("job %s paused: its cost $%.6f reached its max_cost $%.6f", self.ctx.id, accrued, limit)
+        return True
+
+    async def check_key_limit(self) -> bool:
+        """Pause the job when the month's spend of the key that created it reaches the key's spend limit (the
+        caller stops its trainer), at the step the trainer last reported. True when it paused the job."""
+        key_id = self.ctx.row.api_key_id
+        if key_id is None or self.progress.step is None or self.billed_to is not None:
+            return False
+        pool = self.ctx.pool
+        limit = await key_spend_limit_usd(pool, key_id=key_id)
+        if limit is None:
+            return False
+        spent = await key_month_spend_usd(pool, self.ctx.settings, org_id=self.ctx.org_id, key_id=key_id)
+        if spent < limit:
+            return False
+        step = self.progress.step
+        message = f"{KEY_LIMIT_PAUSED}: ${spent:.6f} of ${limit:.6f} at step {step}"
+        data = {
+            "reason": "key_spend_limit",
+            "api_key_id": key_id,
+            "monthly_spend_limit": limit,
+            "month_to_date": round(spent, 6),
+            "step": step,
+        }
+        if not await self._pause_at_step(message, "key_limit_paused", data):
+            return False
+        logger.info("job %s paused: key %s spent $%.6f of its limit $%.6f", self.ctx.id, key_id, spent, limit)
+        return True
+
+    async def _pause_at_step(self, message: str, reason: str, data: dict[str, Any]) -> bool:
+        """Pause the job at the step the trainer last reported, billed up to it."""
+        if not await self.pause(message, reason, data):
             return False
         self.billed_to = (self.progress.tokens_seen or 0, self.progress.seconds)
-        logger.info("job %s paused: its cost $%.6f reached its max_cost $%.6f", self.ctx.id, accrued, limit)
         return True
 
     async def pause(self, message: str, reason: str, data: dict[str, Any] | None = None) -> bool:
@@ -181,6 +252,8 @@ class Meter:
         cost = training_cost(self.ctx.settings, self.ctx.row.model, tokens, seconds)
         if self.spend is not None and cost > 0:
             await self.spend.add_spent(month_key(self.ctx.org_id), to_micro(cost))
+            if self.ctx.row.api_key_id is not None:  # the key's spend-limit counter, when it has one
+                await self.spend.add_spent(key_month_key(self.ctx.row.api_key_id), to_micro(cost))
 
     def forget_usage(self) -> None:
         """The transaction that wrote the usage row was rolled back: write it again on the next try."""
