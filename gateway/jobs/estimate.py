@@ -14,14 +14,13 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from gateway.deps import Caller, Resources
 from gateway.errors import InvalidRequest
 from gateway.jobs import cost, guards, pilot, projection, service
-from gateway.jobs.protocol import BudgetState, CostRange, JobCreate, JobEstimate
+from gateway.jobs.protocol import BudgetState, JobCreate, JobEstimate
 from gateway.jobs.validation import RowError
 from trainer.contract import AnyHyperparameters, ReinforcementHyperparameters
 
@@ -34,14 +33,13 @@ def _file_ids(body: JobCreate) -> tuple[str, str | None]:
 
 async def _pilot(
     res: Resources, caller: Caller, body: JobCreate, hp: AnyHyperparameters, training: Path
-) -> tuple[CostRange | None, dict[str, Any] | None]:
-    """A reinforcement job's pilot: the measured tokens of a completion (None when it did not run) and its
-    report; (None, None) for the other methods."""
+) -> pilot.Pilot | None:
+    """A reinforcement job's pilot (None for the other methods)."""
     if not isinstance(hp, ReinforcementHyperparameters):
-        return None, None
+        return None
     settings = res.settings
     pick = functools.partial(pilot.pick_prompts, training, max_line_bytes=settings.max_jsonl_line_bytes)
-    found = await pilot.run(
+    return await pilot.run(
         settings,
         caller.key,
         model=body.model,
@@ -50,7 +48,6 @@ async def _pilot(
         seed=body.seed,
         count=functools.partial(projection.count_texts, settings.base_model_path(body.model)),
     )
-    return (found.completion() if found.ran else None), found.report(settings)
 
 
 async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstimate:
@@ -84,8 +81,8 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
             counted.append(await anyio.to_thread.run_sync(count))
         except RowError as exc:
             raise InvalidRequest(f"File {file_id}: {exc}", param=which, code=f"invalid_{which}") from None
-    completion, pilot_report = await _pilot(res, caller, body, hp, files[0])
-    measured = await cost.throughput(res.pool, org_id=org, base_model=body.model, method=method.type)
+    sampled = await _pilot(res, caller, body, hp, files[0])
+    rate = await cost.throughput(res.pool, org_id=org, base_model=body.model, method=method.type)
     arithmetic = functools.partial(  # in a thread: a large file's counts are sorted
         projection.estimate,
         res.settings,
@@ -95,15 +92,18 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
         train=counted[0],
         valid=counted[1] if len(counted) > 1 else None,
         grader=method.grader,
-        completion=completion,
-        pilot=pilot_report,
+        measured=sampled.completion() if sampled is not None and sampled.ran else None,
         throughput=(
-            projection.Throughput(measured, measured=True)
-            if measured is not None
+            projection.Throughput(rate, measured=True)
+            if rate is not None
             else service.default_throughput(method)
         ),
     )
     out = await anyio.to_thread.run_sync(arithmetic)
+    assumptions = list(out.assumptions)
+    if sampled is not None:  # beside the completions' length it measured
+        at = next(i for i, a in enumerate(assumptions) if a.name == "completion_tokens") + 1
+        assumptions.insert(at, sampled.assumption(res.settings))
     epochs = cost.given_epochs(method)  # as the create's check counts them
     verdict = await cost.budget_verdict(
         res, org, who.api_key_id, body.model, training.bytes, epochs, read_spend=True
@@ -126,5 +126,5 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
         refusal=verdict.refusal,
         max_cost=body.max_cost,
         guards=guards.resolve(body.guards),
-        assumptions=out.assumptions,
+        assumptions=assumptions,
     )
