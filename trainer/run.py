@@ -236,7 +236,9 @@ def _build_trainer(
         from trainer.pipeline import pipelined_trainer_class
 
         trainer_cls = pipelined_trainer_class(session.pipeline)
-    return trainer_cls(
+    from trainer.mismatch import measured_trainer_class
+
+    return measured_trainer_class(trainer_cls)(
         model=model,
         reward_funcs=reward_funcs,
         args=grpo_config,
