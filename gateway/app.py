@@ -41,6 +41,7 @@ from gateway.settings import Settings
 from gateway.tenancy.keys import Authenticator
 from gateway.tenancy.router import router as admin_router
 from gateway.tinker import store as tinker_store
+from gateway.tinker.router import estimate_router as tinker_estimate_router
 from gateway.tinker.router import router as tinker_router
 from gateway.usage.buffer import UsageBuffer
 from gateway.usage.metrics import UsageCollector
@@ -155,4 +156,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(evals_router)
     install_dashboard(app)
     app.include_router(tinker_router)
+    app.include_router(tinker_estimate_router)
     return app

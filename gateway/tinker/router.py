@@ -3,6 +3,9 @@
 The SDK sends its key in `X-API-Key` and accepts only keys starting `tml-`: a tunegate key behind that
 prefix (`tml-sk-tg-...`) is authenticated as any other key of a person (same scoping and revocation).
 Errors keep OpenAI's envelope; the SDK maps them by status (400 `BadRequestError`, 401, 404 `NotFoundError`).
+
+`estimate_router` is tunegate's own `POST /v1/tinker/estimate` (OpenAI-style, a Bearer key), beside the
+fine-tuning jobs' estimate.
 """
 
 from __future__ import annotations
@@ -12,11 +15,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from gateway.deps import ResourcesDep, authenticate_person
+from gateway.deps import PrincipalDep, RequestLimitDep, ResourcesDep, authenticate_person, limit_requests
 from gateway.errors import AuthenticationFailed
 from gateway.tenancy.keys import Principal
-from gateway.tinker import futures, rest, sampling, service, training
+from gateway.tinker import billing, estimate, futures, rest, sampling, service, training
 from gateway.tinker import protocol as p
+from gateway.tinker.billing_protocol import (
+    BillingUsageResponse,
+    CurrentCheckpointStorageUsageResponse,
+    TinkerEstimate,
+    TinkerEstimateRequest,
+)
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
@@ -185,3 +194,27 @@ async def checkpoints(res: ResourcesDep, who: CallerDep) -> dict[str, Any]:
 @router.post("/weights_info")
 async def weights_info(res: ResourcesDep, who: CallerDep, body: p.WeightsInfoRequest) -> dict[str, Any]:
     return await rest.weights_info(res, who.principal, body.tinker_path)
+
+
+@router.get("/billing/usage/events")
+async def billing_usage(
+    res: ResourcesDep, who: CallerDep, starting_on: str, ending_before: str
+) -> BillingUsageResponse:
+    await limit_requests(res, who.principal)
+    return await billing.usage_events(res, who.principal, starting_on, ending_before)
+
+
+@router.get("/billing/usage/checkpoints/current")
+async def checkpoint_storage(
+    res: ResourcesDep, who: CallerDep, project_id: str | None = None
+) -> CurrentCheckpointStorageUsageResponse:
+    await limit_requests(res, who.principal)
+    return await billing.checkpoint_storage(res, who.principal, project_id)
+
+
+estimate_router = APIRouter(prefix="/v1/tinker", tags=["tinker"], dependencies=[RequestLimitDep])
+
+
+@estimate_router.post("/estimate")
+async def estimate_loop(res: ResourcesDep, who: PrincipalDep, body: TinkerEstimateRequest) -> TinkerEstimate:
+    return await estimate.estimate(res, who, body)
