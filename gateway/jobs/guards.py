@@ -79,6 +79,19 @@ GUARDS: dict[str, Guard] = {
         {"fraction": Threshold(0.1, 0.0, 1.0), "steps": Threshold(5, 1, 1000, integer=True)},
         "warn",
     ),
+    "sampler_mismatch": Guard(
+        "reinforcement: the policy that sampled the completions and the one the trainer scores them with "
+        "differ: the KL between them (`mismatch/kl`) is above `max_kl`, or their mean importance ratio "
+        "(`mismatch/ratio_mean`) is outside [`min_ratio`, `max_ratio`], at each of the last `steps` steps "
+        "that measure it",
+        {
+            "max_kl": Threshold(0.02, 0.0, 100.0),
+            "min_ratio": Threshold(0.8, 0.0, 1.0),
+            "max_ratio": Threshold(1.25, 1.0, 1000.0),
+            "steps": Threshold(3, 1, 1000, integer=True),
+        },
+        "warn",
+    ),
     "error_rate": Guard(
         "reinforcement: the grader's or the environment's error rate, averaged over the last `window` steps, "
         "is above `max_rate`",

@@ -1,13 +1,19 @@
 """Guards: the signals over synthetic metric series, the job's `guards` and their bad input through the SDK,
 and failures injected into real training runs (a learning rate 100 times too high, a trainer that stops
-making progress, a grader that errors on a tenth of its calls), each caught within a few steps with its
-action taken and an event that gives the numbers.
+making progress, a grader that errors on a tenth of its calls, a sampler that draws from another
+distribution than the one the trainer scores), each caught within a few steps with its action taken and an
+event that gives the numbers.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -27,7 +33,8 @@ from tests.support.jobs import (
     wait_for,
     wait_trainer_gone,
 )
-from tests.support.stack import Tenant, WorkerProcess
+from tests.support.stack import Services, Tenant, WorkerProcess, admin_of, start_gateway
+from tunegate.services import scratch_database
 
 ESTIMATE = "/fine_tuning/jobs/estimate"
 DEFAULTS = job_guards.defaults()
@@ -107,6 +114,39 @@ def test_entropy_collapse() -> None:
     assert guards.entropy_collapse(_points(train_loss=[1.0] * 8), **settings) is None  # no entropy reported
 
 
+def test_sampler_mismatch() -> None:
+    settings = {"max_kl": 0.02, "min_ratio": 0.8, "max_ratio": 1.25, "steps": 3}
+    clean = _points(**{"mismatch/kl": [1e-7, -8e-8, 2e-7], "mismatch/ratio_mean": [1.0, 1.0, 1.0]})
+    assert guards.sampler_mismatch(clean, **settings) is None
+    skewed = _points(
+        **{
+            "mismatch/kl": [0.001, 0.045, 0.06, 0.039],
+            "mismatch/ratio_mean": [1.0, 0.958, 0.95, 0.963],
+            "mismatch/logprob_diff_mean": [0.001, 0.045, 0.06, 0.039],
+            "mismatch/ratio_min": [0.99, 0.82, 0.66, 0.77],
+        }
+    )
+    fired = guards.sampler_mismatch(skewed, **settings)
+    assert fired is not None and "KL 0.039 per token" in fired.what
+    assert fired.numbers == {
+        "steps": [2, 3, 4],
+        "kl": [0.045, 0.06, 0.039],
+        "ratio_mean": [0.958, 0.95, 0.963],
+        "logprob_diff_mean": [0.045, 0.06, 0.039],
+        "ratio_min": 0.77,
+        "ratio_max": None,
+    }
+    assert guards.sampler_mismatch(skewed[:3], **settings) is None  # two steps off, one within
+    # The ratio alone, either way out of range; steps that measure nothing are not counted.
+    low = _points(**{"mismatch/ratio_mean": [0.7, None, 0.75, 0.6]})
+    assert guards.sampler_mismatch(low, **settings) is not None
+    assert guards.sampler_mismatch(low[:3], **settings) is None  # the newest step measured nothing
+    high = _points(**{"mismatch/ratio_mean": [1.3, 2.0, 1.5]})
+    assert guards.sampler_mismatch(high, **settings) is not None
+    assert guards.sampler_mismatch(high, **{**settings, "max_ratio": 1.6}) is None
+    assert guards.sampler_mismatch(_points(entropy=[0.4] * 5), **settings) is None  # no numbers: no signal
+
+
 def test_error_rate_over_its_window() -> None:
     settings = {"max_rate": 0.05, "window": 3}
     # One failure in eight at two of three steps: 8.3% on average.
@@ -176,6 +216,11 @@ def test_resolve_checks_every_setting() -> None:
         ({"error_rate": {"max_rate": 1.5}}, "guards.error_rate.max_rate"),
         ({"explosion": {"window": 2.5}}, "guards.explosion.window"),
         ({"hang": {"action": "explode"}}, "guards.hang.action"),
+        ({"sampler_mismatch": {"max_kl": -0.1}}, "guards.sampler_mismatch.max_kl"),
+        ({"sampler_mismatch": {"min_ratio": 1.5}}, "guards.sampler_mismatch.min_ratio"),
+        ({"sampler_mismatch": {"max_ratio": 0.5}}, "guards.sampler_mismatch.max_ratio"),
+        ({"sampler_mismatch": {"steps": 0}}, "guards.sampler_mismatch.steps"),
+        ({"sampler_mismatch": {"ratio": 1.1}}, "guards.sampler_mismatch.ratio"),
     ]
     for body, param in bad:
         with pytest.raises(InvalidRequest) as caught:
@@ -200,6 +245,8 @@ def test_guards_on_the_job_and_bad_input(guard_worker: WorkerProcess, tenant: Te
         ({"error_rate": {"max_rate": 2}}, "guards.error_rate.max_rate"),
         ({"non_finite": {"action": "ignore"}}, "guards.non_finite.action"),
         ({"hang": {"seconds": 10, "x": 1}}, "guards.hang.x"),
+        ({"sampler_mismatch": {"max_kl": 101}}, "guards.sampler_mismatch.max_kl"),
+        ({"sampler_mismatch": {"kl": 0.1}}, "guards.sampler_mismatch.kl"),
         ([], "guards"),
     ]:
         full = {"model": BASE, "training_file": training, "guards": body}
@@ -210,8 +257,18 @@ def test_guards_on_the_job_and_bad_input(guard_worker: WorkerProcess, tenant: Te
             )
             assert set(error) == {"message", "type", "param", "code"}
     assert tenant.client.fine_tuning.jobs.list().data == []
-    given = {"hang": {"seconds": 120, "action": "warn"}}
-    expected = {**DEFAULTS, "hang": {"seconds": 120.0, "action": "warn"}}
+    given = {"hang": {"seconds": 120, "action": "warn"}, "sampler_mismatch": {"max_kl": 0.5, "steps": 2}}
+    expected = {
+        **DEFAULTS,
+        "hang": {"seconds": 120.0, "action": "warn"},
+        "sampler_mismatch": {
+            "max_kl": 0.5,
+            "min_ratio": 0.8,
+            "max_ratio": 1.25,
+            "steps": 2,
+            "action": "warn",
+        },
+    }
     body = {"model": BASE, "training_file": training, "guards": given}
     estimate: Any = tenant.client.post(ESTIMATE, body=body, cast_to=object)
     assert estimate["guards"] == expected
@@ -413,3 +470,66 @@ def test_a_reward_gameable_by_length(guard_worker: WorkerProcess, tenant: Tenant
     assert data["guard"] == "length_runaway" and data["step"] <= 15, seen
     assert len(data["signal"]["clipped_ratio"]) == 3 and min(data["signal"]["clipped_ratio"]) >= 0.9
     wait_trainer_gone(job.id)
+
+
+@pytest.fixture(scope="module")
+def skewed(
+    services: Services, tiny_model_dir: Path, venv_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tenant]:
+    """A tenant of a stack of its own (its own database: no other module's worker trains its jobs) whose
+    `tiny-chat` folder's `generation_config.json` carries `"min_p": 0.3`, as a model folder may carry its
+    publisher's sampling defaults. The trainer's `generate` applies it (TRL's generation settings leave
+    `min_p` unset, so the model folder's applies), the loss's log-probabilities do not: the sampler
+    truncates the distribution the trainer scores."""
+    model = tmp_path_factory.mktemp("skewed-model") / "tiny-chat"
+    shutil.copytree(tiny_model_dir, model)
+    config = model / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "min_p": 0.3}))
+    with ExitStack() as stack:
+        database = stack.enter_context(scratch_database(services.pg_dsn, "tunegate_test_skewed"))
+        data_dir = tmp_path_factory.mktemp("skewed-data")
+        gateway = start_gateway(services, database, model, data_dir, env_venv_dir=venv_dir)
+        stack.callback(gateway.stop)
+        log = tmp_path_factory.mktemp("skewed-worker") / "worker.log"
+        worker = WorkerProcess(gateway.settings, log, TUNEGATE_HEARTBEAT_INTERVAL_S="0.5")
+        stack.callback(worker.stop)
+        yield admin_of(gateway).tenant("skewed")
+
+
+SAYS_YES_PY = "def grade(sample, item):\n    return 1.0 if 'yes' in sample['output_text'].lower() else 0.0\n"
+
+
+def _mismatch(t: Tenant, job_id: str) -> list[tuple[int, float, float]]:
+    return [(m["step"], m["mismatch/kl"], m["mismatch/ratio_mean"]) for m in metrics(t, job_id) if m["step"]]
+
+
+@pytest.mark.slow
+def test_a_sampler_that_differs_from_the_trainer(
+    skewed: Tenant, guard_worker: WorkerProcess, tenant: Tenant
+) -> None:
+    # The same job (8 steps, the default guards) on the skewed stack and on the stack's own tiny-chat.
+    job = _rl_job(skewed, SAYS_YES_PY, {}, steps=8, checkpoint_every=1000)
+    clean = _rl_job(tenant, SAYS_YES_PY, {}, steps=8, checkpoint_every=1000)
+    done = wait_for(skewed, job.id, timeout=90)
+    seen = _mismatch(skewed, job.id)
+    assert done.status == "succeeded", (done.error, seen)
+    assert len(seen) == 8 and all(kl > 0.02 and ratio < 1 for _, kl, ratio in seen), seen
+    event = _guard_event(skewed, job.id, GUARD_WARNING + " 'sampler_mismatch'")
+    data = event.data or {}
+    assert event.level == "warn" and data["action"] == "warn" and data["guard"] == "sampler_mismatch"
+    assert data["step"] == 3 and data["settings"] == _settings("sampler_mismatch"), data
+    signal = data["signal"]
+    assert signal["steps"] == [1, 2, 3] and signal["kl"] == [kl for _, kl, _ in seen[:3]]
+    assert signal["ratio_mean"] == [r for _, _, r in seen[:3]] and 0 < signal["ratio_min"] < 1
+    assert all(d > 0 for d in signal["logprob_diff_mean"])
+    # Sampled as the trainer scores: the numbers are rounding away from none, and nothing fires.
+    done = wait_for(tenant, clean.id, timeout=90)
+    assert done.status == "succeeded", done.error
+    seen = _mismatch(tenant, clean.id)
+    assert len(seen) == 8 and all(abs(kl) < 1e-4 and abs(ratio - 1) < 1e-4 for _, kl, ratio in seen), seen
+    tripped = [
+        e.message
+        for e in all_events(tenant, clean.id)
+        if e.message.startswith((GUARD_WARNING + " ", GUARD_PAUSED))
+    ]
+    assert tripped == []

@@ -42,6 +42,9 @@ PRIMARY = {"reinforcement": ("reward_mean", True), "supervised": ("loss", False)
 """The number validation and checkpoints are judged by per method, and whether higher is better (as the
 trainer's `trainer.evaluation.PRIMARY`)."""
 ERROR_RATES = ("grader_error_rate", "env_error_rate")
+MISMATCH_KL = "mismatch/kl"
+MISMATCH_RATIO = "mismatch/ratio_mean"
+"""The trainer's sampler/trainer mismatch numbers the `sampler_mismatch` guard judges (`trainer.mismatch`)."""
 Point = dict[str, Any]
 """One step's metrics (a `metrics` event's data)."""
 
@@ -148,6 +151,40 @@ def entropy_collapse(points: Sequence[Point], *, fraction: float, steps: int) ->
     return None
 
 
+def sampler_mismatch(
+    points: Sequence[Point], *, max_kl: float, min_ratio: float, max_ratio: float, steps: int
+) -> Signal | None:
+    """The policy that sampled and the one the trainer scores with differ: at each of the last `steps` steps
+    that measure it (`mismatch/kl`, `mismatch/ratio_mean`: `trainer.mismatch`), the KL between them is above
+    `max_kl` or their mean importance ratio is outside [`min_ratio`, `max_ratio`]."""
+    measured = [(p, _number(p, MISMATCH_KL), _number(p, MISMATCH_RATIO)) for p in points]
+    recent = [m for m in measured if m[1] is not None or m[2] is not None][-steps:]
+    if len(recent) < steps or recent[-1][0] is not points[-1]:
+        return None
+
+    def off(kl: float | None, ratio: float | None) -> bool:
+        return (kl is not None and not kl <= max_kl) or (
+            ratio is not None and not min_ratio <= ratio <= max_ratio
+        )
+
+    if not all(off(kl, ratio) for _, kl, ratio in recent):
+        return None
+    last, kl, ratio = recent[-1]
+    words = [f"KL {kl:.4g} per token"] if kl is not None else []
+    words += [f"mean importance ratio {ratio:.4g}"] if ratio is not None else []
+    return Signal(
+        f"the sampler and the trainer disagree: {', '.join(words)} ({steps} steps in a row)",
+        {
+            "steps": [p.get("step") for p, _, _ in recent],
+            "kl": [k for _, k, _ in recent],
+            "ratio_mean": [r for _, _, r in recent],
+            "logprob_diff_mean": [_number(p, "mismatch/logprob_diff_mean") for p, _, _ in recent],
+            "ratio_min": _number(last, "mismatch/ratio_min"),
+            "ratio_max": _number(last, "mismatch/ratio_max"),
+        },
+    )
+
+
 def error_rate(points: Sequence[Point], *, max_rate: float, window: int) -> Signal | None:
     """The grader's or environment's error rate (`grader_error_rate`, `env_error_rate`: the share of a step's
     rewards that failed), averaged over the last `window` steps that report one, above `max_rate`."""
@@ -212,6 +249,7 @@ def evaluate(points: Sequence[Point], settings: dict[str, dict[str, Any]], kind:
         "explosion": lambda: explosion(points, **given("explosion"), kind=kind),
         "length_runaway": lambda: length_runaway(points, **given("length_runaway")),
         "entropy_collapse": lambda: entropy_collapse(points, **given("entropy_collapse")),
+        "sampler_mismatch": lambda: sampler_mismatch(points, **given("sampler_mismatch")),
         "error_rate": lambda: error_rate(points, **given("error_rate")),
         "validation_divergence": lambda: validation_divergence(
             points, **given("validation_divergence"), kind=kind
