@@ -104,6 +104,8 @@ class FineTuningJob(OpenAIBaseModel):
         )
         if row.max_cost_usd is not None:  # an extension field (extra="allow"), only on jobs that set it
             job.max_cost = row.max_cost_usd  # type: ignore[attr-defined]
+        if row.estimated_cost_usd is not None:  # the expected cost estimated when it was queued
+            job.estimated_cost = round(row.estimated_cost_usd, 6)  # type: ignore[attr-defined]
         job.guards = guards.resolve(None, row.guards)  # type: ignore[attr-defined]
         return job
 
