@@ -24,7 +24,8 @@ def _exact(value: float) -> CostRange:
 
 
 def _usd(low: float, expected: float, high: float) -> CostRange:
-    return CostRange(low=round(low, 6), expected=round(expected, 6), high=round(high, 6))
+    """USD to a billionth of a dollar: a small loop's cost keeps its digits, sums lose their float noise."""
+    return CostRange(low=round(low, 9), expected=round(expected, 9), high=round(high, 9))
 
 
 async def estimate(res: Resources, who: Principal, body: TinkerEstimateRequest) -> TinkerEstimate:

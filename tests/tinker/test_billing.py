@@ -310,9 +310,9 @@ def test_the_estimate_counts_the_loop_as_it_was_metered(
     }  # fmt: skip
     exact = (trained + prefill) * rate_in / 1e6
     assert est["cost"] == {
-        "low": round(exact, 6),
-        "expected": round(exact + samples * 2 * rate_out / 1e6, 6),
-        "high": round(exact + samples * MAX_TOKENS * rate_out / 1e6, 6),
+        "low": round(exact, 9),
+        "expected": round(exact + samples * 2 * rate_out / 1e6, 9),
+        "high": round(exact + samples * MAX_TOKENS * rate_out / 1e6, 9),
     }
     assert est["object"] == "tinker.estimate" and est["currency"] == "usd" and est["steps"] == STEPS
     assert est["budget"]["monthly_budget_usd"] is None and est["allowed"] is True and est["refusal"] is None
