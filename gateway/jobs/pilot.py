@@ -45,7 +45,7 @@ from trainer.contract import ReinforcementHyperparameters
 
 logger = logging.getLogger(__name__)
 
-PILOT_PROMPTS = 4
+PILOT_PROMPTS = 8
 """Training prompts the pilot samples."""
 PILOT_COMPLETIONS = 8
 """Completions a prompt at most (fewer when `num_generations` is fewer)."""

@@ -125,13 +125,20 @@ def test_reinforcement_estimate_bounds_the_sampled_completions(stack: GatewaySer
     assert pilot == {
         "ran": False,
         "model": BASE,
-        "prompts": 4,
+        "prompts": 8,
         "completions_per_prompt": 4,
         "temperature": 1.0,
         "max_completion_tokens": 16,
         "seed": PILOT_SEED,
     }
     assert reason.startswith("the chat route answered 503"), reason
+
+
+TASKS: list[dict[str, Any]] = [
+    {"messages": [{"role": "user", "content": f"Say yes{' please' * i} ({i})"}], "answer": "yes"}
+    for i in range(12)
+]
+"""Twelve tasks of growing length: which the pilot picks shows in its prompt tokens."""
 
 
 def _usage_tokens(gw: GatewayServer, t: Tenant) -> tuple[int, int, int]:
@@ -162,7 +169,7 @@ def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
     }
     method = {"type": "reinforcement", "reinforcement": {"grader": SAYS_YES, "hyperparameters": hp}}
     t0 = time.monotonic()
-    est = _estimate(t, training_file=upload_rows(t, RFT), method=method, seed=11)
+    est = _estimate(t, training_file=upload_rows(t, TASKS), method=method, seed=11)
     took = time.monotonic() - t0
     assumed = {a["name"]: a for a in est["assumptions"]}
     pilot = assumed["pilot"]["value"]
@@ -171,17 +178,17 @@ def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
     assert pilot == {
         "ran": True,
         "model": BASE,
-        "prompts": 4,  # of the file's eight, spread over it
+        "prompts": 8,  # of the file's twelve, spread over it
         "completions_per_prompt": 4,  # num_generations
         "temperature": 0.9,
         "max_completion_tokens": 24,
         "seed": 11,  # the create's
-        "completions": 16,
+        "completions": 32,
         "truncated": pilot["truncated"],
     }
-    assert 0 <= pilot["truncated"] <= 16 and 0 < seconds < took < 30
+    assert 0 <= pilot["truncated"] <= 32 and 0 < seconds < took < 30
     # The expected length is the engine's own count over the completions; its spread bounds the range.
-    mean = usage["completion_tokens"] / 16
+    mean = usage["completion_tokens"] / 32
     assert measured["mean"] == round(mean, 3)
     assert 1 <= measured["min"] <= measured["median"] <= measured["max"] <= 24
     completion = assumed["completion_tokens"]["value"]
@@ -195,8 +202,8 @@ def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
     )
     assert "pilot measured" in assumed["completion_tokens"]["detail"]
     # Priced into the run: every task once, four completions each, each trained with its prompt.
-    prompts = sum(_tokens(gw, row["messages"], add_generation_prompt=True) for row in RFT)
-    completions = 8 * 4
+    prompts = sum(_tokens(gw, row["messages"], add_generation_prompt=True) for row in TASKS)
+    completions = 12 * 4
     sampled = est["tokens"]["sampled"]
     assert sampled == {k: pytest.approx(completions * completion[k]) for k in ("low", "expected", "high")}
     trained = est["tokens"]["trained"]
@@ -205,11 +212,11 @@ def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
     expected_usd = round(trained["expected"]) * price.training_per_million / 1e6
     assert est["cost"]["expected"] == pytest.approx(expected_usd, abs=1e-6)
     # The pilot is the organisation's own metered completions: the usage API counts exactly its tokens.
-    four = [row["messages"] for i, row in enumerate(RFT) if i in (0, 2, 5, 7)]
-    prompted = sum(_tokens(gw, m, add_generation_prompt=True) for m in four)
+    picked = [row["messages"] for i, row in enumerate(TASKS) if i in (0, 2, 3, 5, 6, 8, 9, 11)]
+    prompted = sum(_tokens(gw, m, add_generation_prompt=True) for m in picked)
     assert usage["prompt_tokens"] == prompted, (usage, prompted)
     deadline = time.monotonic() + 15
-    while (found := _usage_tokens(gw, t)) != (usage["prompt_tokens"], usage["completion_tokens"], 4):
+    while (found := _usage_tokens(gw, t)) != (usage["prompt_tokens"], usage["completion_tokens"], 8):
         assert time.monotonic() < deadline, (found, usage)
         time.sleep(0.3)
     assert cost_usd == pytest.approx(
@@ -280,7 +287,8 @@ def test_a_queued_job_shows_its_projected_cost(tenant: Tenant) -> None:
     )
     seen = tenant.client.fine_tuning.jobs.retrieve(job.id).model_extra or {}
     assert seen["max_cost"] == 2.5 and seen["cost"]["accrued"] == 0
-    assert seen["cost"]["projected_total"] > 0  # the estimate made when it was queued
+    assert seen["cost"]["projected_total"] > 0  # the estimate made when it was queued, shown as such
+    assert seen["estimated_cost"] == seen["cost"]["projected_total"]
     listed = [j for j in tenant.client.fine_tuning.jobs.list() if j.id == job.id]
     assert (listed[0].model_extra or {})["cost"] == seen["cost"]
     assert tenant.client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
