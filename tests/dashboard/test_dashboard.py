@@ -20,7 +20,7 @@ from playwright.sync_api import expect
 
 from envsdk.archive import pack
 from tests.dashboard.conftest import RESOURCE_404, ROOT, Tab
-from tests.support.data import SAYS_YES
+from tests.support.data import SAYS_YES, SFT
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import metrics, rl_job, upload_rows, wait_for
 from tests.support.stack import Admin, GatewayServer, Tenant
@@ -216,6 +216,63 @@ def test_usage_shows_the_jobs_cost(org: Tenant, job: Any, open_tab: OpenTab) -> 
     page.locator("figure.chart").first.wait_for()
     tab.shot("usage")
     assert tab.console_errors() == []
+
+
+COST_FIELDS = {"job-cost-accrued": "accrued", "job-cost-projected": "projected_total"}
+
+
+def _shown_costs(page: Any) -> dict[str, tuple[str, float | None]]:
+    """Each cost the job page shows: its text, and the number it was made from (`data-usd`)."""
+    got: dict[str, tuple[str, float | None]] = {}
+    for dd in page.locator("dd[id^='job-cost-']").all():
+        raw = dd.get_attribute("data-usd")
+        got[str(dd.get_attribute("id"))] = (dd.inner_text().strip(), None if raw is None else float(raw))
+    return got
+
+
+def _api_costs(org: Tenant, job_id: str) -> dict[str, tuple[str, float | None]]:
+    """The same costs from the API's job, as the page should show them."""
+    extra = org.client.fine_tuning.jobs.retrieve(job_id).model_extra or {}
+    values = {
+        **{k: extra["cost"][name] for k, name in COST_FIELDS.items()},
+        "job-cost-estimated": extra.get("estimated_cost"),
+    }
+    if "max_cost" in extra:
+        values["job-cost-max"] = extra["max_cost"]
+    return {k: ("—" if v is None else f"${v:.4f}", v) for k, v in values.items()}
+
+
+def test_the_job_page_shows_the_jobs_cost(org: Tenant, job: Any, open_tab: OpenTab) -> None:
+    done = wait_for(org, job.id, timeout=600)  # its cost moves no more
+    assert done.status == "succeeded", done.error
+    tab = open_tab()
+    page = tab.sign_in(org.key)
+    page.goto(f"/dashboard/jobs/{job.id}")
+    page.locator("#job-status", has_text="succeeded").wait_for()
+    shown, api = _shown_costs(page), _api_costs(org, job.id)
+    assert shown == api and set(shown) == {"job-cost-accrued", "job-cost-projected", "job-cost-estimated"}
+    accrued = api["job-cost-accrued"][1]
+    assert accrued is not None and accrued > 0 and api["job-cost-projected"][1] == accrued  # ended: all spent
+    assert (api["job-cost-estimated"][1] or 0) > 0  # estimated when it was queued
+
+    # A job with a max_cost, paused as soon as it is made: its cost against the limit, as the API has it.
+    capped = org.client.fine_tuning.jobs.create(
+        model="tiny-chat", training_file=upload_rows(org, SFT), suffix="capped", extra_body={"max_cost": 0.25}
+    )
+    org.client.fine_tuning.jobs.pause(capped.id)
+    wait_for(org, capped.id, ("paused",))
+    page.goto(f"/dashboard/jobs/{capped.id}")
+    page.locator("#job-status", has_text="paused").wait_for()
+    deadline = time.monotonic() + 60
+    while (shown := _shown_costs(page)) != (api := _api_costs(org, capped.id)):  # the page polls every 1.5 s
+        assert time.monotonic() < deadline, (shown, api)
+        page.wait_for_timeout(300)
+    assert shown["job-cost-max"] == ("$0.2500", 0.25)
+    bar = page.locator("#job-cost-max progress")
+    assert float(bar.get_attribute("max") or 0) == 0.25
+    assert float(bar.get_attribute("value") or -1) == min(api["job-cost-accrued"][1] or 0, 0.25)
+    assert tab.console_errors() == []
+    org.client.fine_tuning.jobs.cancel(capped.id)
 
 
 def test_files_and_an_environment_tested_from_the_page(

@@ -28,6 +28,25 @@ function stepsDone(job) {
   return total ? `${done} of ${total}` : String(done);
 }
 
+/** The job's cost as the API gives it: accrued, projected total, the estimate made when it was queued, and
+ * its max_cost (with how much of it is spent) when it has one. */
+function costFacts(job) {
+  const cost = job.cost ?? {};
+  const limit = typeof job.max_cost === "number" ? job.max_cost : null;
+  // The shown amount is rounded; `data-usd` keeps the API's number.
+  const usd = (id, value, ...more) => el("dd", { id, "data-usd": value ?? null }, money(value), ...more);
+  return [
+    el("dt", {}, "Cost so far"), usd("job-cost-accrued", cost.accrued),
+    el("dt", {}, FINAL.has(job.status) ? "Total cost" : "Projected total"), usd("job-cost-projected", cost.projected_total),
+    el("dt", {}, "Estimated when queued"), usd("job-cost-estimated", job.estimated_cost),
+    limit === null ? null : [
+      el("dt", {}, "Max cost"),
+      usd("job-cost-max", limit, " ",
+        el("progress", { max: limit, value: Math.min(cost.accrued ?? 0, limit), "aria-label": "share of max cost spent" })),
+    ],
+  ].flat();
+}
+
 function summary(job) {
   const hp = job.method?.[job.method.type] ?? {};
   parts.summary.replaceChildren(
@@ -41,7 +60,7 @@ function summary(job) {
         : "—"),
       el("dt", {}, "Steps"), el("dd", { id: "job-steps" }, stepsDone(job)),
       el("dt", {}, "Trained tokens"), el("dd", {}, String(job.trained_tokens ?? job.usage?.trained_tokens ?? 0)),
-      el("dt", {}, "Cost so far"), el("dd", {}, money(job.usage?.cost_usd)),
+      costFacts(job),
       el("dt", {}, "Created"), el("dd", {}, when(job.created_at)),
       el("dt", {}, "Finished"), el("dd", {}, when(job.finished_at)),
       job.error ? [el("dt", {}, "Error"), el("dd", { class: "bad" }, job.error.message)] : null,
