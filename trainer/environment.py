@@ -25,6 +25,10 @@ with ``environment_error`` naming the last cause. Episode metrics (``turns_mean`
 ``episode_failures``) join the job's ``metrics`` events, and so do the numbers an
 environment reports under its last step's ``info["metrics"]`` (names with a ``/``, such as
 ``tools/sandboxed_fraction``), each averaged over the episodes that reported it.
+
+Size: over 450 lines, and left whole: an episode's play is one loop (reset, a sampled turn, step, the
+environment's reply) over the episode's state, which every part of it keeps in step: its tokens, their loss
+mask and the sampler's log-probabilities of them (:mod:`trainer.mismatch`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Episode:
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     env_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # the sampler's; None: not sampled
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
@@ -244,7 +249,7 @@ class EnvironmentSession:
             return {
                 "prompt_ids": [e.prompt_ids for e in episodes],
                 "completion_ids": [e.completion_ids for e in episodes],
-                "logprobs": None,
+                "logprobs": [e.logprobs for e in episodes],  # for trainer.mismatch
                 "env_mask": [e.env_mask for e in episodes],
                 "env_reward": [0.0 if e.error else e.reward for e in episodes],
             }
@@ -280,19 +285,19 @@ class EnvironmentSession:
             active = [ep for ep in episodes if not ep.done]
             if not active:
                 break
-            generated = _generate(
+            generated, scored = _generate(
                 trainer,
                 [ep.prompt_ids + ep.completion_ids for ep in active],
                 [budget - len(ep.completion_ids) for ep in active],
                 temperature,
             )
-            turns = list(zip(active, generated, strict=True))
-            self._each(lambda turn: self._advance(turn[0], turn[1], budget, tokenizer), turns)
+            turns = list(zip(active, generated, scored, strict=True))
+            self._each(lambda t: self._advance(t[0], t[1], budget, tokenizer, logprobs=t[2]), turns)
         self._each(self._close_episode, [ep for ep in episodes if not ep.done and ep.episode_id is not None])
         for ep in episodes:
             if not ep.completion_ids:  # TRL needs at least one completion token
                 ep.completion_ids = [tokenizer.eos_token_id]
-                ep.env_mask = [0]
+                ep.env_mask, ep.logprobs = [0], [None]
         return episodes
 
     def _each(self, work: Callable[[Any], None], items: list[Any]) -> None:
@@ -335,11 +340,13 @@ class EnvironmentSession:
         *,
         assistant: dict[str, Any] | None = None,
         trained: bool = True,
+        logprobs: list[float | None] | None = None,
     ) -> None:
-        """Add one assistant turn (sampled, or given as ``assistant`` with ``trained=False``) to the
-        episode and answer it with the environment's ``step``."""
+        """Add one assistant turn (sampled, with the sampler's ``logprobs``, or given as ``assistant`` with
+        ``trained=False``) to the episode and answer it with the environment's ``step``."""
         ep.completion_ids += ids
         ep.env_mask += [1 if trained else 0] * len(ids)
+        ep.logprobs += logprobs if logprobs is not None else [None] * len(ids)
         ep.turns += 1
         finished = bool(ids) and ids[-1] in stop_ids(tokenizer)
         if assistant is None:
@@ -378,6 +385,7 @@ class EnvironmentSession:
         ep.messages += observation
         ep.completion_ids += suffix
         ep.env_mask += [0] * len(suffix)
+        ep.logprobs += [None] * len(suffix)
 
     def _close_episode(self, ep: Episode) -> None:
         try:

@@ -14,10 +14,15 @@ def stop_ids(tokenizer: Any) -> set[int]:
 
 def generate_turn(
     trainer: Any, contexts: list[list[int]], budgets: list[int], temperature: float
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[list[float | None]]]:
     """Sample one turn per context (left-padded batch; greedy at temperature 0); each result is cut after its
-    first stop token and at its own budget."""
+    first stop token and at its own budget. With each, the log-probability the sampler drew every token with
+    (:mod:`trainer.mismatch`; None at temperature 0, where nothing is drawn)."""
+    from contextlib import nullcontext
+
     import torch
+
+    from trainer.mismatch import SampledLogprobs, recording
 
     tokenizer = trainer.processing_class
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -33,7 +38,8 @@ def generate_turn(
         if temperature > 0
         else {"do_sample": False}
     )
-    with torch.no_grad():
+    recorder = SampledLogprobs()
+    with torch.no_grad(), recording(model, recorder) if temperature > 0 else nullcontext():
         out = model.generate(
             input_ids=input_ids,
             attention_mask=attention,
@@ -50,4 +56,4 @@ def generate_turn(
             if token in stops:
                 break
         results.append(ids)
-    return results
+    return results, recorder.finish(results)

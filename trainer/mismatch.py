@@ -21,13 +21,14 @@ The sampler's log-probabilities come from where the completions were sampled:
 - vLLM (``use_vllm`` on CUDA, colocated or a ``trl vllm-serve`` server): TRL asks vLLM for each sampled
   token's log-probability (and reports its own ``sampling/*`` numbers beside these, after its
   importance-sampling correction's clipping);
-- transformers' ``generate`` (CPU jobs, CUDA jobs without vLLM, rewards on env servers): recorded here while
+- transformers' ``generate`` (CPU jobs, CUDA jobs without vLLM, rewards on env servers, and multi-turn
+  environment episodes, whose turns :func:`trainer.generation.generate_turn` samples): recorded here while
   generating, from the very scores the token was drawn from, after every logits processor and warper
-  (:class:`SampledLogprobs`).
+  (:class:`SampledLogprobs`). An episode's environment tokens and forced tool calls were not sampled: they
+  carry none and are left out, as the loss leaves them out.
 
-Multi-turn environment episodes (``rollout_func``) report no sampler log-probabilities, so they get no
-``mismatch/*`` numbers. The comparison is made where the loss scores a micro-batch: with tunegate's GRPO (one
-generation per optimiser step, one pass over it) those are the same weights that sampled.
+The comparison is made where the loss scores a micro-batch: with tunegate's GRPO (one generation per
+optimiser step, one pass over it) those are the same weights that sampled.
 """
 
 from __future__ import annotations
