@@ -10,6 +10,11 @@ forced by a named function ends with ``finish_reason: "stop"``, as OpenAI's API 
 named the function, so the call is the answer it asked for); ``"required"`` and calls the model chose end
 with ``"tool_calls"``. ``response_format`` ``json_object`` is served the same way, best effort: the output
 is started with ``{`` and ends as soon as the object is complete.
+
+``return_token_ids`` (vLLM's extra parameter, which the gateway's capture asks for) adds the prompt's token
+ids (``prompt_token_ids``: everything the model was conditioned on, a forced prefix included) and each
+choice's sampled ids (``token_ids``) to the answer; in a stream the first chunk carries ``prompt_token_ids``
+and each chunk the ids it adds, so a stream's ids are the whole answer's.
 """
 
 from __future__ import annotations
@@ -129,6 +134,7 @@ class ChatPlan:
 class _Choice:
     text: str = ""
     tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -278,14 +284,21 @@ async def chat_completion(engine: ModelEngine, req: ChatCompletionRequest) -> di
     for i, choice in enumerate(choices):
         message, reason = finish_choice(plan, choice)
         lp = {"content": logprobs_content(engine, choice.logprobs), "refusal": None} if req.logprobs else None
-        out_choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": lp})
+        out_choice = {"index": i, "message": message, "finish_reason": reason, "logprobs": lp}
+        if req.return_token_ids:
+            out_choice["token_ids"] = choice.token_ids
+        out_choices.append(out_choice)
     completion = sum(c.tokens for c in choices)
-    return answer("chat.completion", "chatcmpl-", req.model, out_choices, len(gen.prompt_ids), completion)
+    out = answer("chat.completion", "chatcmpl-", req.model, out_choices, len(gen.prompt_ids), completion)
+    if req.return_token_ids:
+        out["prompt_token_ids"] = list(gen.prompt_ids)
+    return out
 
 
 def _accumulate(choice: _Choice, event: ChoiceEvent) -> None:
     choice.text += event.text
     choice.tokens += len(event.token_ids)
+    choice.token_ids.extend(event.token_ids)
     choice.logprobs.extend(event.logprobs)
     if event.finish_reason is not None:
         choice.finish_reason = event.finish_reason
@@ -299,8 +312,20 @@ async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncG
     buffered = plan.parse_tools
     choices = [_Choice() for _ in range(req.n)]
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> str:
-        return chunks.choice({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+    ids_asked = req.return_token_ids
+    prompt_ids = {"prompt_token_ids": list(gen.prompt_ids)} if ids_asked else None
+
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        lp: Any = None,
+        token_ids: list[int] | None = None,
+    ) -> str:
+        piece = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if ids_asked:
+            piece["token_ids"] = token_ids or []
+        return chunks.choice(piece)
 
     try:
         started = [False] * req.n
@@ -310,7 +335,13 @@ async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncG
             out = []
             if not started[event.index]:
                 started[event.index] = True
-                out.append(chunk(event.index, {"role": "assistant", "content": ""}))
+                if prompt_ids is not None:  # the first chunk of the stream carries the prompt's ids
+                    role = {"index": event.index, "delta": {"role": "assistant", "content": ""}}
+                    piece = {**role, "logprobs": None, "finish_reason": None, "token_ids": []}
+                    out.append(chunks.choice(piece, prompt_ids))
+                    prompt_ids = None
+                else:
+                    out.append(chunk(event.index, {"role": "assistant", "content": ""}))
                 if plan.json_mode:
                     out.append(chunk(event.index, {"content": plan.prefix}))
             if buffered:
@@ -326,16 +357,20 @@ async def chat_stream(engine: ModelEngine, req: ChatCompletionRequest) -> AsyncG
                         delta["tool_calls"] = [
                             {"index": k, **call} for k, call in enumerate(message["tool_calls"])
                         ]
-                    out.append(chunk(event.index, delta, lp=lp))
+                    out.append(chunk(event.index, delta, lp=lp, token_ids=choice.token_ids))
                     out.append(chunk(event.index, {}, reason))
             else:
+                ids = event.token_ids
                 if event.text or event.logprobs:
                     lp = None
                     if req.logprobs:
                         lp = {"content": logprobs_content(engine, event.logprobs), "refusal": None}
-                    out.append(chunk(event.index, {"content": event.text}, lp=lp))
+                    out.append(chunk(event.index, {"content": event.text}, lp=lp, token_ids=ids))
+                    ids = []
                 if event.finish_reason is not None:
-                    out.append(chunk(event.index, {}, event.finish_reason))
+                    out.append(chunk(event.index, {}, event.finish_reason, token_ids=ids))
+                elif ids_asked and ids:  # tokens whose text is held back: their ids go out now
+                    out.append(chunk(event.index, {"content": ""}, token_ids=ids))
             for line in out:
                 yield line
         if chunks.include_usage:

@@ -66,9 +66,9 @@ class ChunkStream:
     """Whether the last, usage-only chunk names ``system_fingerprint`` too (the chat chunk does, the legacy
     completion's does not)."""
 
-    def choice(self, piece: dict[str, Any]) -> str:
+    def choice(self, piece: dict[str, Any], extra: dict[str, Any] | None = None) -> str:
         """The chunk of one choice's ``piece`` (``index``, ``delta`` or ``text``, ``logprobs``,
-        ``finish_reason``)."""
+        ``finish_reason``), with ``extra`` top-level fields (a first chunk's ``prompt_token_ids``)."""
         body: dict[str, Any] = {
             "id": self.id,
             "object": self.object,
@@ -79,6 +79,8 @@ class ChunkStream:
         }
         if self.include_usage:
             body["usage"] = None
+        if extra:
+            body.update(extra)
         return event(body)
 
     def usage(self, prompt: int, completion: int) -> str:

@@ -73,6 +73,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    """Answer with the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``; in a
+    stream, the first chunk's ``prompt_token_ids`` and each chunk's new ``token_ids``), as vLLM's extra
+    parameter."""
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
