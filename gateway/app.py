@@ -17,6 +17,9 @@ from envsdk.sandbox import remove_stale_dirs
 from gateway.aliases.router import router as aliases_router
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
+from gateway.capture.recorder import Capturer
+from gateway.capture.router import admin_router as capture_admin_router
+from gateway.capture.router import router as capture_router
 from gateway.dashboard.router import install as install_dashboard
 from gateway.db import create_pool, migrate
 from gateway.deps import Resources
@@ -101,8 +104,10 @@ def create_app(settings: Settings) -> FastAPI:
             offload=Offload(settings),
             started_at=int(time.time()),
             notices=Notices(settings.database_url, (tinker_store.ANSWER_CHANNEL,)),
+            capture=Capturer(),
         )
         res.usage.start(pool)
+        await res.capture.start(pool)
         usage_metrics = UsageCollector(res.usage)
         app.state.metrics.registry.register(usage_metrics)
         app.state.metrics.registry.register(res.engines.metrics)
@@ -118,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
                 await auth.flush_last_used()
             await res.guard.aclose()  # gives back its budget leases, sends the spend it owes
             await res.usage.aclose()  # writes the usage still waiting in the buffer
+            await res.capture.aclose()  # writes the captures still waiting
             await res.engines.aclose()
             app.state.metrics.registry.unregister(usage_metrics)
             app.state.metrics.registry.unregister(res.engines.metrics)
@@ -150,6 +156,8 @@ def create_app(settings: Settings) -> FastAPI:
         usage_router,
         limits_router,
         billing_router,
+        capture_admin_router,
+        capture_router,
     ):
         app.include_router(router)
     app.include_router(graders_router)

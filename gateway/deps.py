@@ -11,6 +11,7 @@ from arq.connections import ArqRedis
 from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
+from gateway.capture.recorder import Capturer
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.limits.guard import Guard
 from gateway.notices import Notices
@@ -47,6 +48,8 @@ class Resources:
     """When this gateway started (unix seconds): the `created` of base models."""
     notices: Notices
     """Wake-ups from PostgreSQL (`gateway.notices`): answered Tinker requests."""
+    capture: Capturer
+    """Who captures chat completions, and the batched writes of what is captured (`gateway.capture`)."""
 
 
 async def get_resources(request: Request) -> Resources:

@@ -16,6 +16,7 @@ surrogates, deep nesting), so that costs nothing while bodies are well formed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,10 +143,13 @@ class ProxyRequest:
                 code="context_length_exceeded",
             )
 
-    def upstream_body(self, engine_model: str) -> bytes:
-        """The body for the engine: `model` rewritten; streams always ask for usage (for metering)."""
+    def upstream_body(self, engine_model: str, extra: dict[str, Any] | None = None) -> bytes:
+        """The body for the engine: `model` rewritten; streams always ask for usage (for metering); `extra`
+        fields set over the client's (what capture asks the engine for)."""
         body = dict(self.body)
         body["model"] = engine_model
+        if extra:
+            body.update(extra)
         if self.stream:
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, dict) else {}
@@ -189,7 +193,9 @@ class StreamRewriter:
 
     `model` is replaced in every JSON event and `system_fingerprint` set to `fingerprint` (the version that
     serves the stream) when given; the usage chunk is remembered (and dropped, as is each chunk's
-    `usage: null`, when the client did not ask for it, since the gateway always asks the engine).
+    `usage: null`, when the client did not ask for it, since the gateway always asks the engine). `tap`, when
+    given (a captured request: `gateway.capture.recorder.Capture.event`), sees each event first and may take
+    fields out of it.
     """
 
     model: str
@@ -197,6 +203,7 @@ class StreamRewriter:
     fingerprint: str | None = None
     usage: dict[str, Any] | None = None
     saw_done: bool = False
+    tap: Callable[[dict[str, Any]], None] | None = None
 
     def line(self, line: bytes) -> bytes | None:
         """The line to send for one upstream line (without its newline), or None to drop it."""
@@ -212,6 +219,8 @@ class StreamRewriter:
             return line
         if not isinstance(event, dict):
             return line
+        if self.tap is not None:
+            self.tap(event)
         if "model" in event:
             event["model"] = self.model
             if self.fingerprint is not None:

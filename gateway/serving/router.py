@@ -102,10 +102,13 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         limits = res.engines.limits(target.base_model)
         proxy.check_max_tokens(limits.context_length)
         proxy.check_prompt(limits.context_length, limits.max_prompt_chars, prompt_param(scope["path"]))
+        capture = None
+        if who.organization_id in res.capture.policies.orgs:  # the one lookup where capture is off
+            capture = res.capture.begin(scope, who, proxy, target)
         if proxy.stream:
-            await service.stream(res, tracked_send, who, scope["path"], proxy, target)
+            await service.stream(res, tracked_send, who, scope["path"], proxy, target, capture)
         else:
-            await service.complete(res, tracked_send, who, scope["path"], proxy, target)
+            await service.complete(res, tracked_send, who, scope["path"], proxy, target, capture)
     except asyncio.CancelledError:
         if not ex.disconnected:
             raise

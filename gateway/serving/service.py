@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 from starlette.types import Send
 
+from gateway.capture.recorder import Capture
 from gateway.deps import Resources
 from gateway.errors import APIError, ServiceUnavailable, UpstreamError
 from gateway.limits.guard import Admission
@@ -164,14 +165,22 @@ def _headers(admission: Admission | None, extra: list[tuple[bytes, bytes]]) -> l
 
 
 async def complete(
-    res: Resources, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+    res: Resources,
+    send: Send,
+    who: Principal,
+    path: str,
+    proxy: ProxyRequest,
+    target: Target,
+    capture: Capture | None = None,
 ) -> None:
-    """A non-streamed completion, sent on `send`: the engine's JSON with `model` rewritten."""
+    """A non-streamed completion, sent on `send`: the engine's JSON with `model` rewritten (and, captured,
+    recorded: `capture`)."""
     started = time.time()
     admission = await _admit(res, who, proxy, target)
     status, usage = 499, None
+    extra = capture.engine_fields() if capture is not None else None
     try:
-        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model))
+        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model, extra))
         try:
             raw = await resp.read()
         except UpstreamBroken as exc:
@@ -180,7 +189,11 @@ async def complete(
         finally:
             up.release(_adapter(target))
             await resp.aclose()
-        out, usage = rewrite_response(raw, proxy.model, target.served_version)
+        captured = capture.response(raw, target.served_version, resp.status) if capture is not None else None
+        if captured is None:
+            out, usage = rewrite_response(raw, proxy.model, target.served_version)
+        else:
+            out, usage = captured
         status = resp.status
         head = [
             (b"content-type", b"application/json"),
@@ -204,22 +217,33 @@ SSE_HEADERS = [
 
 
 async def stream(
-    res: Resources, send: Send, who: Principal, path: str, proxy: ProxyRequest, target: Target
+    res: Resources,
+    send: Send,
+    who: Principal,
+    path: str,
+    proxy: ProxyRequest,
+    target: Target,
+    capture: Capture | None = None,
 ) -> None:
     """A streamed completion, sent on `send`: the first upstream chunk is read before the 200 is committed.
 
-    Events are rewritten line by line but sent one upstream chunk at a time (one write per chunk).
+    Events are rewritten line by line but sent one upstream chunk at a time (one write per chunk). A captured
+    stream (`capture`) is accumulated as it passes and recorded when it ends.
     """
     started = time.time()
     admission = await _admit(res, who, proxy, target)
+    extra = capture.engine_fields() if capture is not None else None
     try:
-        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model))
+        up, resp = await _open(res, path, target, proxy.upstream_body(target.engine_model, extra))
     except BaseException as exc:
         status = exc.status if isinstance(exc, APIError) else 499
         _meter(res, who, proxy, target, admission, None, started=started, status=status)
         raise
     rewriter = StreamRewriter(
-        model=proxy.model, keep_usage=proxy.client_wants_usage, fingerprint=target.served_version
+        model=proxy.model,
+        keep_usage=proxy.client_wants_usage,
+        fingerprint=target.served_version,
+        tap=capture.event if capture is not None else None,
     )
     pieces = resp.chunks()
     try:
@@ -287,6 +311,8 @@ async def stream(
             # one token per chunk, and the estimated prompt.
             usage = {"prompt_tokens": estimate_prompt_tokens(proxy.body), "completion_tokens": chunks}
         _meter(res, who, proxy, target, admission, usage, started=started, status=status)
+        if capture is not None:
+            capture.finish_stream(target.served_version, rewriter.usage, status)
     await send(
         {
             "type": "http.response.body",

@@ -1,0 +1,151 @@
+"""SQL of capture: the settings of organisations and keys, and the captured completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from gateway.db import Conn, maybe_row_to, row_to, rows_to
+
+
+@dataclass(frozen=True, slots=True)
+class SettingRow:
+    organization_id: str
+    api_key_id: str
+    """'' for the organisation's own setting."""
+    enabled: bool
+    retention_days: int | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedRow:
+    organization_id: str
+    id: str
+    api_key_id: str
+    episode_id: str | None
+    parent_episode_id: str | None
+    stored: bool
+    streamed: bool
+    model: str
+    base_model: str
+    served_version: str
+    request: dict[str, Any]
+    response: dict[str, Any]
+    metadata: dict[str, str]
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[list[int]] | None
+    logprobs: list[list[float]] | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    latency_ms: int
+    status: int
+    created_at: datetime
+    expires_at: datetime | None
+
+
+SET = """
+INSERT INTO capture_settings (organization_id, api_key_id, enabled, retention_days)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (organization_id, api_key_id)
+DO UPDATE SET enabled = EXCLUDED.enabled, retention_days = EXCLUDED.retention_days, updated_at = now()
+RETURNING *
+"""
+GET = "SELECT * FROM capture_settings WHERE organization_id = $1 AND api_key_id = $2"
+ALL_SETTINGS = "SELECT * FROM capture_settings"
+ORG_OF_KEY = "SELECT organization_id FROM api_keys WHERE id = $1"
+
+INSERT = """
+INSERT INTO captured_completions (
+    organization_id, id, api_key_id, episode_id, parent_episode_id, stored, streamed, model, base_model,
+    served_version, request, response, metadata, prompt_token_ids, completion_token_ids, logprobs,
+    finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at
+) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21,
+          $22, $23)
+ON CONFLICT (organization_id, id) DO NOTHING
+"""
+"""A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it."""
+
+LIVE = "(expires_at IS NULL OR expires_at > now())"
+GET_ONE = f"SELECT * FROM captured_completions WHERE organization_id = $1 AND id = $2 AND {LIVE}"
+LIST = f"""
+SELECT * FROM captured_completions c
+WHERE organization_id = $1 AND {LIVE}
+  AND ($2::text IS NULL OR model = $2)
+  AND ($3::jsonb IS NULL OR metadata @> $3::jsonb)
+  AND ($4::text IS NULL OR (created_at, seq) {{op}} (
+        SELECT created_at, seq FROM captured_completions WHERE organization_id = $1 AND id = $4))
+ORDER BY created_at {{dir}}, seq {{dir}}
+LIMIT $5
+"""
+LIST_ASC = LIST.format(op=">", dir="ASC")
+LIST_DESC = LIST.format(op="<", dir="DESC")
+UPDATE_METADATA = f"""
+UPDATE captured_completions SET metadata = $3
+WHERE organization_id = $1 AND id = $2 AND {LIVE}
+RETURNING *
+"""
+DELETE = f"DELETE FROM captured_completions WHERE organization_id = $1 AND id = $2 AND {LIVE} RETURNING id"
+PURGE = """
+DELETE FROM captured_completions WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM captured_completions WHERE expires_at <= now() LIMIT $1))
+"""
+
+
+async def set_setting(
+    conn: Conn, *, org_id: str, key_id: str, enabled: bool, retention_days: int | None
+) -> SettingRow:
+    return row_to(SettingRow, await conn.fetchrow(SET, org_id, key_id, enabled, retention_days))
+
+
+async def get_setting(conn: Conn, *, org_id: str, key_id: str) -> SettingRow | None:
+    return maybe_row_to(SettingRow, await conn.fetchrow(GET, org_id, key_id))
+
+
+async def all_settings(conn: Conn) -> list[SettingRow]:
+    return rows_to(SettingRow, await conn.fetch(ALL_SETTINGS))
+
+
+async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
+    value = await conn.fetchval(ORG_OF_KEY, key_id)
+    return str(value) if value is not None else None
+
+
+async def insert_many(conn: Conn, rows: list[tuple[Any, ...]]) -> None:
+    await conn.executemany(INSERT, rows)
+
+
+async def get(conn: Conn, *, org_id: str, completion_id: str) -> CapturedRow | None:
+    return maybe_row_to(CapturedRow, await conn.fetchrow(GET_ONE, org_id, completion_id))
+
+
+async def list_page(
+    conn: Conn,
+    *,
+    org_id: str,
+    model: str | None,
+    metadata: dict[str, str] | None,
+    after: str | None,
+    limit: int,
+    descending: bool,
+) -> list[CapturedRow]:
+    sql = LIST_DESC if descending else LIST_ASC
+    return rows_to(CapturedRow, await conn.fetch(sql, org_id, model, metadata, after, limit))
+
+
+async def update_metadata(
+    conn: Conn, *, org_id: str, completion_id: str, metadata: dict[str, str]
+) -> CapturedRow | None:
+    return maybe_row_to(CapturedRow, await conn.fetchrow(UPDATE_METADATA, org_id, completion_id, metadata))
+
+
+async def delete(conn: Conn, *, org_id: str, completion_id: str) -> bool:
+    return await conn.fetchval(DELETE, org_id, completion_id) is not None
+
+
+async def purge_expired(conn: Conn, *, most: int) -> int:
+    """Delete up to `most` records past their retention; how many."""
+    status = await conn.execute(PURGE, most)
+    return int(status.split()[-1])
