@@ -2,7 +2,8 @@
 gateway whose engine serves tiny-chat: off by default (nothing stored, `store: true` or not), on per
 organisation or per key; what the client sees is what it sees without capture, streamed or not; the stored
 token ids are the sampled ones (the same streamed and not, and they decode to the answer); every route is
-scoped to the organisation; bad metadata is a 400 naming it."""
+scoped to the organisation; bad metadata is a 400 naming it. The last test does the same with vLLM as the
+engine (skipped where vLLM is not installed)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import pytest
 
 from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
-from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.stack import Admin, GatewayServer, Tenant, admin_of
+from tests.support.vllm import vllm_gateway_fixture
 
 gw = gateway_fixture("capture")
+vllm_gw = vllm_gateway_fixture("capture-vllm")
 
 T = TypeVar("T")
 ASK: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
@@ -382,3 +385,47 @@ def test_another_organisations_ids_are_404_on_every_route(gw_admin: Admin, captu
     assert c.list(after=mine.id).data == []
     # Untouched for its owner.
     assert capturing.client.chat.completions.retrieve(mine.id).metadata == {"owner": "me"}
+
+
+# ------------------------------------------------------------------------------------------------- vLLM
+@pytest.mark.timeout(900)  # vLLM's start, when this module is the first to use it
+def test_with_vllm_the_client_sees_the_same_and_ids_are_stored(
+    vllm_gw: GatewayServer, tokenizer: Any
+) -> None:
+    admin = admin_of(vllm_gw)
+    plain = admin.tenant("capture-vllm-plain-" + secrets.token_hex(3))
+    captured = admin.tenant("capture-vllm-" + secrets.token_hex(3))
+    _capture_on(admin, captured)
+    greedy = {**SEEDED, "temperature": 0}
+    without = plain.client.chat.completions.create(**greedy).to_dict()
+    made = captured.client.chat.completions.create(**greedy, store=True)
+    # vLLM writes its token-id fields as null when not asked: so they stay, null, for the client.
+    assert made.to_dict()["prompt_token_ids"] is None and made.to_dict()["choices"][0]["token_ids"] is None
+    assert _without_ids(made.to_dict()) == _without_ids(without)
+
+    def chunks(t: Tenant) -> list[dict[str, Any]]:
+        with t.client.chat.completions.with_streaming_response.create(
+            **greedy, stream=True, store=True
+        ) as resp:
+            return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+
+    seen = chunks(captured)
+    assert [_without_ids(c) for c in seen] == [_without_ids(c) for c in chunks(plain)]
+    whole, streamed = _stored(captured, made.id), _stored(captured, seen[0]["id"])
+    assert made.usage is not None
+    assert whole["capture"]["prompt_token_ids"] == streamed["capture"]["prompt_token_ids"]
+    assert len(whole["capture"]["prompt_token_ids"]) == made.usage.prompt_tokens
+    ids = whole["capture"]["choices"][0]["token_ids"]
+    assert ids == streamed["capture"]["choices"][0]["token_ids"] and len(ids) == made.usage.completion_tokens
+    assert tokenizer.decode(ids, skip_special_tokens=True) == made.choices[0].message.content
+    assert len(whole["capture"]["choices"][0]["logprobs"]) == len(ids)
+
+    # vLLM's whole answer writes every field of its model (null ones too); the stream's is the answer it
+    # amounts to, in OpenAI's fields.
+    def essential(c: dict[str, Any]) -> tuple[Any, ...]:
+        message = c["message"]
+        return c["index"], message["role"], message["content"], message.get("tool_calls"), c["finish_reason"]
+
+    assert [essential(c) for c in streamed["choices"]] == [essential(c) for c in whole["choices"]]
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [streamed["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
