@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.data import BASE
+from tests.support.data import BASE, MESSAGES, TOOLS
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant, admin_of
 from tests.support.vllm import vllm_gateway_fixture
@@ -350,6 +350,20 @@ def test_streamed_and_whole_answers_store_the_same_ids(capturing: Tenant, tokeni
     # The stream is stored as the whole answer it amounts to.
     assert b["choices"] == a["choices"] and b["object"] == "chat.completion"
     assert b["usage"] == a["usage"]
+
+    # With tools (the engine's tool-call parsing), the call's tokens too.
+    tooled = {**SEEDED, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 24}
+    call = capturing.client.chat.completions.create(**tooled, store=True)
+    call_pieces = list(capturing.client.chat.completions.create(**tooled, store=True, stream=True))
+    c, d = _stored(capturing, call.id), _stored(capturing, call_pieces[0].id)
+    assert c["capture"]["choices"][0]["token_ids"] == d["capture"]["choices"][0]["token_ids"] != []
+    assert c["capture"]["prompt_token_ids"] == d["capture"]["prompt_token_ids"]
+    asked = call.to_dict()["choices"][0]["message"]["tool_calls"]
+    assert [x["function"]["name"] for x in asked] == ["get_weather"]
+    for stored in (c, d):
+        found = stored["choices"][0]["message"]["tool_calls"]
+        assert [x["function"] for x in found] == [x["function"] for x in asked]
+    assert c["choices"][0]["finish_reason"] == d["choices"][0]["finish_reason"] == "tool_calls"
 
     # Agent Lightning's headers: the attempt is the episode, its rollout the parent.
     lightning = capturing.client.chat.completions.create(
