@@ -114,9 +114,13 @@ def print_estimate(console: Console, estimate: dict[str, Any]) -> None:
         highlight=False,
     )
     budget = estimate.get("budget") or {}
+    allowed = "fits" if estimate.get("allowed") else "[red]does not fit[/red]"
     if budget.get("left_usd") is not None:
-        allowed = "fits" if estimate.get("allowed") else "[red]does not fit[/red]"
         console.print(f"budget left: {_usd(budget['left_usd'])} ({allowed})", highlight=False)
+    if budget.get("api_key_left_usd") is not None:
+        console.print(
+            f"this key's spend limit left: {_usd(budget['api_key_left_usd'])} ({allowed})", highlight=False
+        )
 
 
 def _cost_line(job: FineTuningJob) -> str | None:

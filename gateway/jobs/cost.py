@@ -19,7 +19,7 @@ from gateway.db import Conn, rows_to
 from gateway.errors import InsufficientQuota
 from gateway.jobs.method import JobMethod
 from gateway.jobs.projection import model_graders
-from gateway.jobs.protocol import TERMINAL_STATES
+from gateway.jobs.protocol import TERMINAL_STATES, BudgetState
 from gateway.jobs.running import key_name
 from gateway.jobs.store import JobRow
 from gateway.limits import store as limits_store
@@ -143,6 +143,8 @@ class BudgetVerdict:
     """The creating key's monthly spend limit, None for none."""
     key_spent_usd: float = 0.0
     """The key's month to date (0 when not read: no limit to hold it against)."""
+    what: str = "job"
+    """What is estimated, in the refusal: `job`, or `loop` for a Tinker loop."""
 
     @property
     def left_usd(self) -> float | None:
@@ -160,13 +162,13 @@ class BudgetVerdict:
     def refusal(self) -> str | None:
         if self.budget_usd is not None and self.spent_usd + self.estimate_usd > self.budget_usd:
             return (
-                f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the organization's "
-                f"remaining monthly budget (${self.left_usd or 0.0:.4f})."
+                f"This {self.what}'s estimated cost (${self.estimate_usd:.4f}) does not fit the "
+                f"organization's remaining monthly budget (${self.left_usd or 0.0:.4f})."
             )
         if self.key_limit_usd is not None and self.key_spent_usd + self.estimate_usd > self.key_limit_usd:
             return (
-                f"This job's estimated cost (${self.estimate_usd:.4f}) does not fit the remaining monthly "
-                f"spend limit of this API key (${self.key_left_usd or 0.0:.4f})."
+                f"This {self.what}'s estimated cost (${self.estimate_usd:.4f}) does not fit the remaining "
+                f"monthly spend limit of this API key (${self.key_left_usd or 0.0:.4f})."
             )
         return None
 
@@ -191,17 +193,43 @@ async def budget_verdict(
     the key that creates it (`key_id`). Trained tokens are estimated from the file (about four bytes a token)
     times the epochs. A month's spend is read only when there is a limit to hold it against, or when
     `read_spend` asks for it."""
+    estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
+    return await spend_verdict(res, org_id, key_id, estimate, read_spend=read_spend)
+
+
+async def spend_verdict(
+    res: Resources,
+    org_id: str,
+    key_id: str | None,
+    estimate_usd: float,
+    *,
+    read_spend: bool = False,
+    what: str = "job",
+) -> BudgetVerdict:
+    """Whether `estimate_usd` fits the organisation's monthly budget and the spend limit of the key `key_id`.
+    A month's spend is read only when there is a limit to hold it against, or when `read_spend` asks."""
     billing = await limits_store.billing_of_org(res.pool, org_id=org_id)
     budget = (
         None if billing is None or billing.monthly_budget_usd is None else float(billing.monthly_budget_usd)
     )
-    estimate = training_cost(res.settings, base_model, file_bytes // 4 * epochs, 0.0)
     spent = await res.guard.month_spend_micro(org_id) / 1e6 if budget is not None or read_spend else 0.0
     key_limit = await key_spend_limit_usd(res.pool, key_id=key_id) if key_id is not None else None
     key_spent = 0.0
     if key_id is not None and (key_limit is not None or read_spend):
         key_spent = await key_month_spend_usd(res.pool, res.settings, org_id=org_id, key_id=key_id)
-    return BudgetVerdict(estimate, budget, spent, key_limit, key_spent)
+    return BudgetVerdict(estimate_usd, budget, spent, key_limit, key_spent, what)
+
+
+def budget_state(verdict: BudgetVerdict) -> BudgetState:
+    """The `budget` of an estimate."""
+    return BudgetState(
+        monthly_budget_usd=verdict.budget_usd,
+        month_to_date_usd=round(verdict.spent_usd, 6),
+        left_usd=verdict.left_usd,
+        api_key_monthly_spend_limit_usd=verdict.key_limit_usd,
+        api_key_month_to_date_usd=round(verdict.key_spent_usd, 6),
+        api_key_left_usd=verdict.key_left_usd,
+    )
 
 
 async def check_budget(

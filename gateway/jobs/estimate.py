@@ -20,7 +20,7 @@ import anyio
 from gateway.deps import Caller, Resources
 from gateway.errors import InvalidRequest
 from gateway.jobs import cost, guards, pilot, projection, service
-from gateway.jobs.protocol import BudgetState, JobCreate, JobEstimate
+from gateway.jobs.protocol import JobCreate, JobEstimate
 from gateway.jobs.validation import RowError
 from trainer.contract import AnyHyperparameters, ReinforcementHyperparameters
 
@@ -117,11 +117,7 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
         tokens=out.tokens,
         compute_seconds=out.compute_seconds,
         cost=out.cost,
-        budget=BudgetState(
-            monthly_budget_usd=verdict.budget_usd,
-            month_to_date_usd=round(verdict.spent_usd, 6),
-            left_usd=verdict.left_usd,
-        ),
+        budget=cost.budget_state(verdict),
         allowed=verdict.allowed,
         refusal=verdict.refusal,
         max_cost=body.max_cost,

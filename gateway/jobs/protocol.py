@@ -136,6 +136,12 @@ class BudgetState(OpenAIBaseModel):
     month_to_date_usd: float
     left_usd: float | None = None
     """What the monthly budget has left (None: the organisation has no budget)."""
+    api_key_monthly_spend_limit_usd: float | None = None
+    """The calling key's monthly spend limit (None: it has none)."""
+    api_key_month_to_date_usd: float | None = None
+    """What the calling key spent this month (its completions and its jobs)."""
+    api_key_left_usd: float | None = None
+    """What the key's spend limit has left (None: it has none)."""
 
 
 class Assumption(OpenAIBaseModel):

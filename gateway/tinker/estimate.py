@@ -4,15 +4,16 @@ The loop's tokens are counted as the server meters them: a `forward_backward` or
 input tokens (the length of each datum's `model_input`), billed as prompt tokens of the base model; a sample
 request on its prompt once, however many samples it asks for, and on each sample's generated tokens. They
 are priced from the organisation's price table (`gateway.usage.pricing`), as billing and the billing report
-(`gateway.tinker.billing`) price them, and held against what its monthly budget has left. Nothing is stored.
+(`gateway.tinker.billing`) price them, and held against what its monthly budget and the key's spend limit
+have left (`gateway.jobs.cost.spend_verdict`). Nothing is stored.
 """
 
 from __future__ import annotations
 
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest
-from gateway.jobs.protocol import Assumption, BudgetState, CostRange
-from gateway.limits import store as limits_store
+from gateway.jobs.cost import budget_state, spend_verdict
+from gateway.jobs.protocol import Assumption, CostRange
 from gateway.tenancy.keys import Principal
 from gateway.tinker import owned
 from gateway.tinker.billing_protocol import TinkerEstimate, TinkerEstimateRequest, TinkerRates, TinkerTokens
@@ -62,13 +63,9 @@ async def estimate(res: Resources, who: Principal, body: TinkerEstimateRequest) 
         input_cost(settings, base, (trained + prefill) * steps) + output_cost(settings, base, sampled * steps)
         for sampled in (sample_low, sample_expected, sample_high)
     )
-    billing = await limits_store.billing_of_org(res.pool, org_id=who.organization_id)
-    budget = (
-        None if billing is None or billing.monthly_budget_usd is None else float(billing.monthly_budget_usd)
+    verdict = await spend_verdict(
+        res, who.organization_id, who.api_key_id, total[1], read_spend=True, what="loop"
     )
-    spent = await res.guard.month_spend_micro(who.organization_id) / 1e6
-    left = None if budget is None else max(0.0, budget - spent)
-    allowed = left is None or total[1] <= left
     price = settings.price_of(base)
     return TinkerEstimate(
         base_model=base,
@@ -87,14 +84,9 @@ async def estimate(res: Resources, who: Principal, body: TinkerEstimateRequest) 
         ),
         cost=_usd(*total),
         cost_per_step=_usd(*per_step),
-        budget=BudgetState(monthly_budget_usd=budget, month_to_date_usd=round(spent, 6), left_usd=left),
-        allowed=allowed,
-        refusal=None
-        if allowed
-        else (
-            f"This loop's expected cost (${total[1]:.4f}) does not fit the organization's remaining monthly "
-            f"budget (${left or 0.0:.4f})."
-        ),
+        budget=budget_state(verdict),
+        allowed=verdict.allowed,
+        refusal=verdict.refusal,
         assumptions=ASSUMPTIONS,
     )
 

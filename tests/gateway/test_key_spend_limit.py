@@ -43,6 +43,12 @@ def _usage(t: Tenant, job_id: str) -> dict[str, Any]:
     return found
 
 
+def _estimate(t: Tenant, **body: Any) -> dict[str, Any]:
+    found = t.client.post("/fine_tuning/jobs/estimate", body={"model": BASE, **body}, cast_to=object)
+    assert isinstance(found, dict), found
+    return found
+
+
 def _spend(admin: Admin, key_id: str) -> dict[str, Any]:
     resp = admin.http.get(f"/v1/admin/api_keys/{key_id}/spend_limit")
     assert resp.status_code == 200, resp.text
@@ -71,6 +77,9 @@ def test_a_keys_spend_limit_holds_across_three_concurrent_jobs(
         f"/v1/admin/api_keys/{tenant.key_id}/spend_limit", json={"monthly_spend_limit_usd": limit}
     )
     assert resp.status_code == 200, resp.text
+    est = _estimate(tenant, training_file=training, method=method)
+    assert est["allowed"] is True and est["budget"]["api_key_monthly_spend_limit_usd"] == limit
+    assert est["budget"]["api_key_month_to_date_usd"] == 0 and est["budget"]["api_key_left_usd"] == limit
     created = [jobs.create(model=BASE, training_file=training, method=method) for _ in range(3)]
     ids = [job.id for job in created]
     ended = ("paused", "succeeded", "failed", "cancelled")
@@ -115,6 +124,10 @@ def test_a_keys_spend_limit_holds_across_three_concurrent_jobs(
     error = refused.json()["error"]
     assert refused.status_code == 429 and error["code"] == "insufficient_quota", refused.text
     assert "spend limit of this API key" in error["message"]
+    est = _estimate(tenant, training_file=training, method=method)
+    assert est["allowed"] is False and "spend limit of this API key" in est["refusal"]
+    assert est["budget"]["api_key_month_to_date_usd"] == pytest.approx(spent["month_to_date_usd"], abs=1e-6)
+    assert est["budget"]["api_key_left_usd"] == 0
     other = admin.http.post(
         f"/v1/admin/organizations/{tenant.org_id}/api_keys", json={"name": "other"}
     ).json()

@@ -327,7 +327,7 @@ def test_the_estimate_counts_the_loop_as_it_was_metered(
     finally:
         assert gw_admin.http.post(billing, json={"monthly_budget_usd": None}).status_code == 200
     assert tight["allowed"] is False and tight["budget"]["monthly_budget_usd"] == 0.000001
-    assert tight["refusal"].startswith("This loop's expected cost ($")
+    assert tight["refusal"].startswith("This loop's estimated cost ($")
 
 
 @pytest.mark.parametrize(
