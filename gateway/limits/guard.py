@@ -16,9 +16,9 @@ the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (an
 the effective limits as both limit and remaining).
 
 Size: over 450 lines, and left whole: its parts are split already (the Redis buckets in `buckets`, the
-in-memory leases in `leases`, the budget holds in `holds`), and what stays is one request path, `admit` and
-`settle`, over the caches, flights and background work they share; cutting it would hand one class's state
-to another module.
+in-memory leases in `leases`, the budget holds in `holds`, the rate-limit headers in `headers`), and what
+stays is one request path, `admit` and `settle`, over the caches, flights and background work they share;
+cutting it would hand one class's state to another module.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import asyncpg
 
-from gateway.errors import InsufficientQuota, RateLimited
+from gateway.errors import InsufficientQuota
 from gateway.limits import store
 from gateway.limits.buckets import (
     Buckets,
@@ -46,6 +46,7 @@ from gateway.limits.buckets import (
     to_micro,
 )
 from gateway.limits.budget import key_month_spend_usd, month_spend_usd
+from gateway.limits.headers import headers_of, refusal_of
 from gateway.limits.holds import HOLD_TTL_S, SYNC_S, Account
 from gateway.limits.leases import LEASE_TTL_S, Leases
 from gateway.settings import Settings
@@ -54,9 +55,6 @@ from gateway.usage.pricing import completion_cost
 
 logger = logging.getLogger(__name__)
 
-UNLIMITED = 1_000_000_000
-"""Limit and remaining reported for a kind that no bucket limits."""
-KINDS = ("requests", "tokens")
 ADJUST_DELAY_S = 0.01
 """How long token-bucket corrections wait to be sent together."""
 
@@ -96,47 +94,6 @@ class Admission:
     """`(month key, micro-USD held)` of the budget and the key's spend limit it is held against."""
     headers: dict[str, str]
     settled: bool = False
-
-
-def _duration(ms: int) -> str:
-    """OpenAI's reset format: `1s`, `6m0s`, `250ms`."""
-    if ms < 1000:
-        return f"{max(0, ms)}ms"
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.3g}s"
-    return f"{int(seconds // 60)}m{int(seconds % 60)}s"
-
-
-NO_BUCKET = BucketState(UNLIMITED, UNLIMITED, 0)
-HEADER_NAMES = {
-    kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
-    for kind in KINDS
-}
-
-
-def _headers(kinds: list[str], states: list[BucketState]) -> dict[str, str]:
-    """`x-ratelimit-*` headers: per kind, the bucket with the least left (`UNLIMITED` for a kind without)."""
-    out: dict[str, str] = {}
-    for kind in KINDS:
-        tight = NO_BUCKET
-        for k, state in zip(kinds, states, strict=True):
-            if k == kind and (tight is NO_BUCKET or state.remaining < tight.remaining):
-                tight = state
-        limit, remaining, reset = HEADER_NAMES[kind]
-        out[limit] = str(tight.limit)
-        out[remaining] = str(tight.remaining)
-        out[reset] = _duration(tight.reset_ms)
-    return out
-
-
-def _refusal(taken: TakeResult, headers: dict[str, str]) -> RateLimited:
-    """The 429 of a request a bucket refused, with the rate-limit headers and when to retry."""
-    retry_s = max(1, -(-taken.retry_after_ms // 1000))
-    return RateLimited(
-        f"Rate limit reached for this organization or API key; please try again in {retry_s}s.",
-        headers={**headers, "retry-after": str(retry_s)},
-    )
 
 
 class Guard:
@@ -270,14 +227,14 @@ class Guard:
         if checks and self.buckets is not None:
             taken = await self._take(checks)
             if taken is not None:
-                headers = _headers(kinds, taken.buckets)
+                headers = headers_of(kinds, taken.buckets)
                 if not taken.allowed:
-                    raise _refusal(taken, headers)
+                    raise refusal_of(taken, headers)
                 token_buckets = [
                     (c[0], c[1], min(c[2], c[1])) for c, k in zip(checks, kinds, strict=True) if k == "tokens"
                 ]
         if headers is None:  # nothing taken (no limits, or Redis unreachable): the effective limits
-            headers = _headers(kinds, [BucketState(c[1], c[1], 0) for c in checks])
+            headers = headers_of(kinds, [BucketState(c[1], c[1], 0) for c in checks])
         admission = Admission(org_id, base_model, token_buckets, [], headers)
         if self.buckets is not None:
             key_limit = policy.key_spend_micro.get(key_id)
@@ -300,7 +257,7 @@ class Guard:
         checks = [(bucket_key(f"key:{key_id}", "requests"), limit, 1)]
         taken = await self._take(checks)
         if taken is not None and not taken.allowed:  # None: Redis unreachable, and the limits fail open
-            raise _refusal(taken, _headers(["requests"], taken.buckets))
+            raise refusal_of(taken, headers_of(["requests"], taken.buckets))
 
     def _plan(self, policy: OrgPolicy, org_id: str, key_id: str) -> list[tuple[str, int, str]]:
         """The buckets a request of `key_id` takes from, built once per key and cached policy."""

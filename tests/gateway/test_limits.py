@@ -24,7 +24,8 @@ from gateway.db import create_pool
 from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store as limits_store
 from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis, month_key, to_micro
-from gateway.limits.guard import KINDS, UNLIMITED, Guard
+from gateway.limits.guard import Guard
+from gateway.limits.headers import KINDS, UNLIMITED
 from gateway.limits.leases import LEASE_TTL_S
 from gateway.serving.tokens import estimate_prompt_tokens
 from gateway.settings import ModelPrice, Settings
