@@ -22,13 +22,16 @@ from gateway.worker.job.metering import MAX_COST_PAUSED
 from tests.support.data import BASE, DPO, RFT, SAYS_YES, SFT
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.jobs import all_events, metrics_steps, upload_rows, wait_for, wait_trainer_gone
-from tests.support.stack import GatewayServer, Tenant, WorkerProcess
+from tests.support.stack import GatewayServer, Tenant, WorkerProcess, admin_of
+from tests.support.vllm import vllm_gateway_fixture
 
 ESTIMATE = "/fine_tuning/jobs/estimate"
 
 cost_worker = worker_fixture(of="stack")
 gw = gateway_fixture("estimate-pilot", usage_flush_interval_s=0.3)
 """A gateway whose engine serves `tiny-chat` (the session's `stack` serves no model): the pilot samples."""
+vllm_gw = vllm_gateway_fixture("estimate-vllm", usage_flush_interval_s=0.3)
+"""The same, with the session's vLLM serving `tiny-chat`."""
 
 
 def _estimate(t: Tenant, **body: Any) -> dict[str, Any]:
@@ -159,7 +162,17 @@ def _usage_tokens(gw: GatewayServer, t: Tenant) -> tuple[int, int, int]:
 def test_reinforcement_estimate_measures_the_completions_with_a_pilot(
     gw: GatewayServer, gw_admin: Any
 ) -> None:
-    t = gw_admin.tenant("pilot-org")
+    _measures_with_a_pilot(gw, gw_admin.tenant("pilot-org"))
+
+
+@pytest.mark.slow
+def test_the_pilot_samples_through_vllm_too(vllm_gw: GatewayServer) -> None:
+    """The same pilot where vLLM serves the base model: its usage is vLLM's own count."""
+    _measures_with_a_pilot(vllm_gw, admin_of(vllm_gw).tenant("pilot-vllm"))
+
+
+def _measures_with_a_pilot(gw: GatewayServer, t: Tenant) -> None:
+    """An estimate of a reinforcement job on `gw`: its pilot ran, priced into the run and metered."""
     hp = {
         "n_epochs": 1,
         "batch_size": 2,
