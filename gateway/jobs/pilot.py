@@ -29,6 +29,7 @@ import asyncio
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,7 @@ async def run(
     prompts: list[list[dict[str, Any]]],
     hp: ReinforcementHyperparameters,
     seed: int | None,
-    count: Any,
+    count: Callable[[list[str]], list[int]],
 ) -> Pilot:
     """Sample the pilot through the gateway's chat route with `key` (see the module). `count(texts)` gives
     each completion text's tokens (the base model's tokenizer; called in a thread)."""
@@ -201,16 +202,23 @@ async def run(
     try:
         with anyio.fail_after(PILOT_TIMEOUT_S):
             async with httpx.AsyncClient(trust_env=False, timeout=PILOT_TIMEOUT_S) as client:
-                answers = await asyncio.gather(
-                    *(_sample(client, url, key, {**sampling, "messages": p}) for p in prompts)
+                # Every call ends (or fails) before the client closes; the first failure is the reason.
+                outcomes = await asyncio.gather(
+                    *(_sample(client, url, key, {**sampling, "messages": p}) for p in prompts),
+                    return_exceptions=True,
                 )
     except TimeoutError:
         return _failed(pilot, f"no answer within {PILOT_TIMEOUT_S:g} s")
-    except PilotRefused as exc:
-        return _failed(pilot, str(exc))
-    except httpx.HTTPError as exc:
-        return _failed(pilot, f"the chat route could not be reached ({type(exc).__name__})")
     seconds = time.perf_counter() - t0
+    answers: list[dict[str, Any]] = []
+    for outcome in outcomes:
+        if isinstance(outcome, PilotRefused):
+            return _failed(pilot, str(outcome))
+        if isinstance(outcome, httpx.HTTPError):
+            return _failed(pilot, f"the chat route could not be reached ({type(outcome).__name__})")
+        if isinstance(outcome, BaseException):
+            raise outcome
+        answers.append(outcome)
     choices = [c for a in answers for c in a.get("choices") or []]
     texts = [str((c.get("message") or {}).get("content") or "") for c in choices]
     stopped = [c.get("finish_reason") == "stop" for c in choices]
