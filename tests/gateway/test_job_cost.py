@@ -171,6 +171,26 @@ def test_the_pilot_samples_through_vllm_too(vllm_gw: GatewayServer) -> None:
     _measures_with_a_pilot(vllm_gw, admin_of(vllm_gw).tenant("pilot-vllm"))
 
 
+def test_the_pilot_is_held_to_the_budget(gw: GatewayServer, gw_admin: Any) -> None:
+    """An organisation whose budget is spent gets its estimate, with the pilot refused as its own chat would
+    be, and no completion sampled for it."""
+    t = gw_admin.tenant("pilot-broke")
+    resp = gw_admin.http.post(
+        f"/v1/admin/organizations/{t.org_id}/billing", json={"monthly_budget_usd": 1e-9}
+    )
+    assert resp.status_code == 200, resp.text
+    method = {"type": "reinforcement", "reinforcement": {"grader": SAYS_YES}}
+    est = _estimate(t, training_file=upload_rows(t, TASKS), method=method)
+    assert est["allowed"] is False
+    pilot = {a["name"]: a for a in est["assumptions"]}["pilot"]
+    assert pilot["value"]["ran"] is False
+    assert pilot["value"]["reason"].startswith("the chat route answered 429: "), pilot
+    assert "budget" in pilot["value"]["reason"], pilot  # the budget's refusal, not a rate limit
+    assert pilot["detail"] == f"The pilot that measures completions did not run: {pilot['value']['reason']}"
+    time.sleep(1.0)  # the usage buffer's flush (0.3 s): nothing to write
+    assert _usage_tokens(gw, t) == (0, 0, 0)
+
+
 def _measures_with_a_pilot(gw: GatewayServer, t: Tenant) -> None:
     """An estimate of a reinforcement job on `gw`: its pilot ran, priced into the run and metered."""
     hp = {
