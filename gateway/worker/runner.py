@@ -28,6 +28,7 @@ import logging
 import shutil
 from typing import Any
 
+import asyncpg
 from arq.connections import ArqRedis
 
 from gateway.ids import new_id
@@ -107,15 +108,7 @@ class JobRun:
             data={"worker": self.ctx.worker_id, "devices": [str(d) for d in self.devices + self.generation]},
         )
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                server = None
-                if self.generation and self.devices[0].kind == "cuda":
-                    base = str(self.ctx.settings.base_model_path(job.model))
-                    server = await stack.enter_async_context(
-                        generation_server(self.generation, base, self.workdir)
-                    )
-                spec = await write_spec(self.ctx, workdir=self.workdir, vllm_server=server)
-                outcome = await self.process.run(spec, with_key=calls_models(job), record=self._record)
+            outcome = await self._run_trainer()
         except asyncio.CancelledError:
             # The worker is shutting down: let the trainer checkpoint, then hand the job back to the queue.
             await asyncio.shield(self._hand_back())
@@ -131,6 +124,24 @@ class JobRun:
             on_retry=self.meter.forget_usage,  # the transaction that wrote the usage row was rolled back
         )
         return await asyncio.shield(finishing)
+
+    async def _run_trainer(self) -> RunOutcome:
+        """Run the attempt's trainer to its end; none when the key that created the job is over its spend
+        limit (the job is paused then, and the attempt trains nothing)."""
+        job = self.ctx.row
+        try:
+            if await self.meter.check_key_limit():
+                return RunOutcome(None)
+        except (OSError, asyncpg.PostgresError) as exc:  # checked again at the first beat and every step
+            logger.warning("job %s: spend-limit check failed: %s", self.ctx.id, exc)
+        async with contextlib.AsyncExitStack() as stack:
+            server = None
+            if self.generation and self.devices[0].kind == "cuda":
+                base = str(self.ctx.settings.base_model_path(job.model))
+                serving = generation_server(self.generation, base, self.workdir)
+                server = await stack.enter_async_context(serving)
+            spec = await write_spec(self.ctx, workdir=self.workdir, vllm_server=server)
+            return await self.process.run(spec, with_key=calls_models(job), record=self._record)
 
     def _placement(self) -> str:
         """The job's devices, in words (an event of each attempt)."""

@@ -19,8 +19,9 @@ paused by it again.
 A job created with an API key that has a monthly spend limit is held to it at every step too: the key's
 month-to-date spend (`gateway.limits.budget.key_month_spend_usd`: its completions, and its jobs' training,
 the progress of those running side by side included) pauses the job at the step that reaches the limit, billed
-to that step, as `max_cost` does. A job resumed while its key is still over its limit pauses again at its
-first step.
+to that step, as `max_cost` does; before the attempt's trainer starts (`JobRun`), so a job that starts (or
+is resumed) while its key is over its limit pauses without training, billed nothing; and with the budget
+check, for a key that reaches its limit between steps (its completions).
 
 Each step's metrics event carries the job's cost so far (`cost.accrued`) and its projection.
 """
@@ -86,13 +87,13 @@ class Meter:
         return training_cost(self.ctx.settings, self.ctx.row.model, tokens, self.progress.seconds)
 
     async def check_budget_when_due(self) -> bool:
-        """:meth:`check_budget`, at most every `budget_check_interval_s` (a failed check is logged and
-        retried at the next one). True when it paused the job."""
+        """:meth:`check_budget` and :meth:`check_key_limit`, at most every `budget_check_interval_s` (a
+        failed check is logged and retried at the next one). True when it paused the job."""
         if time.monotonic() < self.budget_due:
             return False
         self.budget_due = time.monotonic() + self.ctx.settings.budget_check_interval_s
         try:
-            return await self.check_budget()
+            return await self.check_budget() or await self.check_key_limit()
         except (OSError, asyncpg.PostgresError) as exc:
             logger.warning("job %s: budget check failed: %s", self.ctx.id, exc)
             return False
@@ -171,9 +172,10 @@ class Meter:
 
     async def check_key_limit(self) -> bool:
         """Pause the job when the month's spend of the key that created it reaches the key's spend limit (the
-        caller stops its trainer), at the step the trainer last reported. True when it paused the job."""
+        caller stops its trainer), at the step the trainer last reported (before its first step: nothing of
+        the attempt is billed). True when it paused the job."""
         key_id = self.ctx.row.api_key_id
-        if key_id is None or self.progress.step is None or self.billed_to is not None:
+        if key_id is None or self.billed_to is not None:
             return False
         pool = self.ctx.pool
         limit = await key_spend_limit_usd(pool, key_id=key_id)
@@ -182,7 +184,7 @@ class Meter:
         spent = await key_month_spend_usd(pool, self.ctx.settings, org_id=self.ctx.org_id, key_id=key_id)
         if spent < limit:
             return False
-        step = self.progress.step
+        step = self.progress.step if self.progress.step is not None else self.progress.start_step
         message = f"{KEY_LIMIT_PAUSED}: ${spent:.6f} of ${limit:.6f} at step {step}"
         data = {
             "reason": "key_spend_limit",
