@@ -11,12 +11,12 @@ the database for it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
 import asyncpg
 
+from gateway import tasks
 from gateway.capture import store
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,5 @@ class CapturePolicies:
                 logger.warning("could not read capture settings (the last ones stay in force): %s", exc)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await tasks.stop(self._task)
+        self._task = None

@@ -26,7 +26,8 @@ from starlette.types import Scope
 
 from gateway.capture.policy import CapturePolicies
 from gateway.capture.protocol import check_metadata
-from gateway.capture.writer import CaptureRecord, CaptureWriter
+from gateway.capture.store import CapturedRow
+from gateway.capture.writer import CaptureWriter
 from gateway.errors import InvalidRequest
 from gateway.serving.engines import Target
 from gateway.serving.protocol import ProxyRequest
@@ -285,7 +286,7 @@ class Capture:
         usage = usage or {}
         has_ids = any(ids) or self.prompt_token_ids is not None
         self.writer.add(
-            CaptureRecord(
+            CapturedRow(
                 organization_id=self.who.organization_id,
                 id=str(response["id"]),
                 api_key_id=self.who.api_key_id,

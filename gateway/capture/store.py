@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -21,6 +21,8 @@ class SettingRow:
 
 @dataclass(frozen=True, slots=True)
 class CapturedRow:
+    """One captured call (migration 0018), as written and as read."""
+
     organization_id: str
     id: str
     api_key_id: str
@@ -44,6 +46,9 @@ class CapturedRow:
     status: int
     created_at: datetime
     expires_at: datetime | None
+
+
+CAPTURED_FIELDS = tuple(f.name for f in fields(CapturedRow))
 
 
 SET = """
@@ -113,8 +118,9 @@ async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
     return str(value) if value is not None else None
 
 
-async def insert_many(conn: Conn, rows: list[tuple[Any, ...]]) -> None:
-    await conn.executemany(INSERT, rows)
+async def insert_many(conn: Conn, rows: list[CapturedRow]) -> None:
+    """Write captured calls (`INSERT` takes `CapturedRow`'s fields in their order)."""
+    await conn.executemany(INSERT, [tuple(getattr(r, f) for f in CAPTURED_FIELDS) for r in rows])
 
 
 async def get(conn: Conn, *, org_id: str, completion_id: str) -> CapturedRow | None:

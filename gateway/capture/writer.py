@@ -1,6 +1,6 @@
-"""Captured calls written off the request path: `CaptureRecord` (one call, as migration 0018 holds it) and
-`CaptureWriter`, a bounded buffer that a background task writes in batches (one `executemany` per batch, by
-size and by time, and on shutdown), as `gateway.usage.buffer` does for usage. When the buffer is full (the
+"""Captured calls written off the request path: `CaptureWriter`, a bounded buffer of `CapturedRow`s (one call,
+as migration 0018 holds it) that a background task writes in batches (one `executemany` per batch, by size
+and by time, and on shutdown), as `gateway.usage.buffer` does for usage. When the buffer is full (the
 database down for long) new records are dropped and counted rather than slowing serving. The same task
 deletes records past their retention now and then.
 """
@@ -11,75 +11,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
 
 import asyncpg
 
+from gateway import tasks
 from gateway.capture import store
+from gateway.capture.store import CapturedRow
 
 logger = logging.getLogger(__name__)
 
 PURGE_EVERY_S = 600.0
 """How often a gateway deletes records past their retention (reads never show them anyway)."""
 PURGE_BATCH = 1000
-
-
-@dataclass(slots=True)
-class CaptureRecord:
-    """One captured call, as written (see migration 0018)."""
-
-    organization_id: str
-    id: str
-    api_key_id: str
-    episode_id: str | None
-    parent_episode_id: str | None
-    stored: bool
-    streamed: bool
-    model: str
-    base_model: str
-    served_version: str
-    request: dict[str, Any]
-    response: dict[str, Any]
-    metadata: dict[str, str]
-    prompt_token_ids: list[int] | None
-    completion_token_ids: list[list[int]] | None
-    logprobs: list[list[float]] | None
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    latency_ms: int
-    status: int
-    created_at: datetime
-    expires_at: datetime | None
-
-    def row(self) -> tuple[Any, ...]:
-        return (
-            self.organization_id,
-            self.id,
-            self.api_key_id,
-            self.episode_id,
-            self.parent_episode_id,
-            self.stored,
-            self.streamed,
-            self.model,
-            self.base_model,
-            self.served_version,
-            self.request,
-            self.response,
-            self.metadata,
-            self.prompt_token_ids,
-            self.completion_token_ids,
-            self.logprobs,
-            self.finish_reason,
-            self.prompt_tokens,
-            self.completion_tokens,
-            self.latency_ms,
-            self.status,
-            self.created_at,
-            self.expires_at,
-        )
 
 
 class CaptureWriter:
@@ -91,7 +34,7 @@ class CaptureWriter:
         self.max_rows = max_rows
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
-        self._rows: list[CaptureRecord] = []
+        self._rows: list[CapturedRow] = []
         self.dropped = 0
         """Records dropped because the buffer was full (the database down for long)."""
         self.written = 0
@@ -101,7 +44,7 @@ class CaptureWriter:
         self._lock = asyncio.Lock()
         self._purged_at = 0.0
 
-    def add(self, rec: CaptureRecord) -> None:
+    def add(self, rec: CapturedRow) -> None:
         """Queue one record; never blocks (drops and counts when full)."""
         if len(self._rows) >= self.max_rows:
             self.dropped += 1
@@ -143,7 +86,7 @@ class CaptureWriter:
                 return 0
             batch, self._rows = self._rows, []
             try:
-                await store.insert_many(self._pool, [rec.row() for rec in batch])
+                await store.insert_many(self._pool, batch)
             except BaseException:
                 room = max(0, self.max_rows - len(self._rows))
                 self.dropped += max(0, len(batch) - room)
@@ -154,11 +97,8 @@ class CaptureWriter:
 
     async def aclose(self) -> None:
         """Stop the background task and write what is left."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await tasks.stop(self._task)
+        self._task = None
         try:
             await self.flush()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:

@@ -23,6 +23,8 @@ from typing import Any
 
 import asyncpg
 
+from gateway import tasks
+
 logger = logging.getLogger(__name__)
 
 YIELD_EVERY = 64
@@ -199,11 +201,8 @@ class UsageBuffer:
 
     async def aclose(self) -> None:
         """Stop the background task and write what is left."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await tasks.stop(self._task)
+        self._task = None
         try:
             await self.flush()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
