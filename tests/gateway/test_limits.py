@@ -81,21 +81,26 @@ def test_concurrent_requests_never_overspend_the_budget(gw_admin: Admin) -> None
         f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": budget}
     )
     assert resp.status_code == 200 and resp.json()["monthly_budget_usd"] == budget
-
-    def ask(_: int) -> str:
-        try:
-            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
-            return "served"
-        except openai.RateLimitError as exc:
-            # a spent budget is not worth a retry: the SDKs that honour the header raise at once
-            assert exc.code != "insufficient_quota" or exc.response.headers["x-should-retry"] == "false"
-            return str(exc.code)
-
-    with ThreadPoolExecutor(50) as pool:
-        outcomes = list(pool.map(ask, range(50)))
+    outcomes = [code for code, _ in _fifty_at_once(org, max_tokens)]
     served = outcomes.count("served")
     assert 1 <= served <= 10, outcomes
     assert outcomes.count("insufficient_quota") == 50 - served
+
+
+def _fifty_at_once(org: Tenant, max_tokens: int) -> list[tuple[str, str]]:
+    """Fifty chats of `org`'s key at once: `("served", "")`, or the 429's code and message, for each."""
+
+    def ask(_: int) -> tuple[str, str]:
+        try:
+            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
+            return "served", ""
+        except openai.RateLimitError as exc:
+            # a spent budget is not worth a retry: the SDKs that honour the header raise at once
+            assert exc.code != "insufficient_quota" or exc.response.headers["x-should-retry"] == "false"
+            return str(exc.code), exc.message
+
+    with ThreadPoolExecutor(50) as pool:
+        return list(pool.map(ask, range(50)))
 
 
 @contextlib.asynccontextmanager
@@ -366,19 +371,10 @@ def test_a_keys_spend_limit_refuses_its_completions_and_no_other_keys(gw_admin: 
         "monthly_spend_limit_usd": limit,
         "month_to_date_usd": 0.0,
     }
-
-    def ask(_: int) -> str:
-        try:
-            org.client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=max_tokens)
-            return "served"
-        except openai.RateLimitError as exc:
-            assert exc.code != "insufficient_quota" or exc.message.endswith(
-                "this API key's monthly spend limit is spent."
-            ), exc.message
-            return str(exc.code)
-
-    with ThreadPoolExecutor(50) as pool:
-        outcomes = list(pool.map(ask, range(50)))
+    answers = _fifty_at_once(org, max_tokens)
+    refusals = {message for code, message in answers if code == "insufficient_quota"}
+    assert all(m.endswith("this API key's monthly spend limit is spent.") for m in refusals), refusals
+    outcomes = [code for code, _ in answers]
     served = outcomes.count("served")
     assert 1 <= served <= 10, outcomes
     assert outcomes.count("insufficient_quota") == 50 - served
