@@ -32,9 +32,10 @@ def generate_turn(
     attention = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in contexts], device=model.device)
     max_new = max(1, max(budgets))
     stops = stop_ids(tokenizer)
-    # Temperature 0 decodes greedily (evaluations); anything else samples from the whole distribution.
+    # Temperature 0 decodes greedily (evaluations); anything else samples from the whole distribution, with
+    # the settings the single-turn sampler sets (a model folder's repetition penalty is not the policy's).
     sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
         if temperature > 0
         else {"do_sample": False}
     )
