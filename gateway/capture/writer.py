@@ -20,6 +20,9 @@ from gateway.capture.store import CapturedRow
 
 logger = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 10.0
+"""How long closing waits for the write in progress before it cuts it short."""
+
 PURGE_EVERY_S = 600.0
 """How often a gateway deletes records past their retention (reads never show them anyway)."""
 PURGE_BATCH = 1000
@@ -41,6 +44,8 @@ class CaptureWriter:
         self._pool: asyncpg.Pool | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        """Set by `aclose`: the background task ends after the write it is doing."""
         self._lock = asyncio.Lock()
         self._purged_at = 0.0
 
@@ -65,7 +70,7 @@ class CaptureWriter:
             self._task = asyncio.create_task(self._run(), name="capture-writer")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
             self._wake.clear()
@@ -96,8 +101,11 @@ class CaptureWriter:
             return len(batch)
 
     async def aclose(self) -> None:
-        """Stop the background task and write what is left."""
-        await tasks.stop(self._task)
+        """Stop the background task (after the write it is doing: a batch cut in two at shutdown could lose
+        rows that no longer fit the buffer) and write what is left."""
+        self._closing = True
+        self._wake.set()
+        await tasks.finish(self._task, within_s=CLOSE_WAIT_S)
         self._task = None
         try:
             await self.flush()

@@ -27,6 +27,9 @@ from gateway import tasks
 
 logger = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 10.0
+"""How long closing waits for the write in progress before it cuts it short."""
+
 YIELD_EVERY = 64
 """Rows encoded between two turns of the event loop while a batch is written."""
 
@@ -109,6 +112,8 @@ class UsageBuffer:
         self._pool: asyncpg.Pool | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        """Set by `aclose`: the background task ends after the write it is doing."""
         self._flush_lock = asyncio.Lock()
         self._conn: Any = None
         """The pool connection flushes write through, kept between them (a connection back in the pool is
@@ -167,7 +172,7 @@ class UsageBuffer:
             self._task = asyncio.create_task(self._run(), name="usage-flusher")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
             self._wake.clear()
@@ -200,8 +205,11 @@ class UsageBuffer:
             return len(batch)
 
     async def aclose(self) -> None:
-        """Stop the background task and write what is left."""
-        await tasks.stop(self._task)
+        """Stop the background task (after the write it is doing: a batch cut in two at shutdown could lose
+        rows that no longer fit the buffer) and write what is left."""
+        self._closing = True
+        self._wake.set()
+        await tasks.finish(self._task, within_s=CLOSE_WAIT_S)
         self._task = None
         try:
             await self.flush()
