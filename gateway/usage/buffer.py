@@ -23,12 +23,9 @@ from typing import Any
 
 import asyncpg
 
-from gateway import tasks
+from gateway.batches import BatchWriter
 
 logger = logging.getLogger(__name__)
-
-CLOSE_WAIT_S = 10.0
-"""How long closing waits for the write in progress before it cuts it short."""
 
 YIELD_EVERY = 64
 """Rows encoded between two turns of the event loop while a batch is written."""
@@ -88,8 +85,10 @@ async def _rows(batch: list[UsageRecord]) -> AsyncIterator[tuple[Any, ...]]:
         yield rec.row()
 
 
-class UsageBuffer:
+class UsageBuffer(BatchWriter[UsageRecord]):
     """Usage rows waiting to be written; `start(pool)` begins the background flushes."""
+
+    what = "usage"
 
     def __init__(
         self,
@@ -99,38 +98,18 @@ class UsageBuffer:
         flush_interval_s: float = 1.0,
         recent: int = 1000,
     ) -> None:
-        self.max_rows = max_rows
-        self.flush_rows = flush_rows
-        self.flush_interval_s = flush_interval_s
-        self._rows: list[UsageRecord] = []
+        super().__init__(max_rows=max_rows, flush_rows=flush_rows, flush_interval_s=flush_interval_s)
         self.records: deque[UsageRecord] = deque(maxlen=recent)
         """The last few records (for introspection and the ops endpoints); not the write queue."""
-        self.dropped = 0
-        """Rows dropped because the buffer was full."""
-        self.written = 0
-        """Rows written to the database."""
-        self._pool: asyncpg.Pool | None = None
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-        """Set by `aclose`: the background task ends after the write it is doing."""
-        self._flush_lock = asyncio.Lock()
         self._conn: Any = None
         """The pool connection flushes write through, kept between them (a connection back in the pool is
         reset with a query of its own: one more round trip per flush); handed back after an error."""
 
     # ---- the request side ---------------------------------------------------------------------------
-    def add(self, rec: UsageRecord) -> None:
+    def add(self, row: UsageRecord) -> None:
         """Queue one record; never blocks (drops and counts when full)."""
-        self.records.append(rec)
-        if len(self._rows) >= self.max_rows:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                logger.warning("usage buffer full: %d rows dropped so far", self.dropped)
-            return
-        self._rows.append(rec)
-        if len(self._rows) >= self.flush_rows:
-            self._wake.set()
+        self.records.append(row)
+        super().add(row)
 
     def record(
         self,
@@ -160,61 +139,16 @@ class UsageBuffer:
         self.add(rec)
         return rec
 
-    @property
-    def pending(self) -> int:
-        return len(self._rows)
-
     # ---- the writing side -----------------------------------------------------------------------------
-    def start(self, pool: asyncpg.Pool) -> None:
-        """Begin flushing to `pool` in the background."""
-        self._pool = pool
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="usage-flusher")
+    async def _write(self, pool: asyncpg.Pool, batch: list[UsageRecord]) -> None:
+        if self._conn is None:
+            self._conn = await pool.acquire()
+        await self._conn.copy_records_to_table("completion_usage", records=_rows(batch), columns=COLUMNS)
 
-    async def _run(self) -> None:
-        while not self._closing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval_s)
-            self._wake.clear()
-            try:
-                await self.flush()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                logger.warning("could not write usage (%d rows wait): %s", len(self._rows), exc)
+    async def _failed(self) -> None:
+        await self._release()  # in an unknown state: the pool resets it, or drops it if broken
 
-    async def flush(self) -> int:
-        """Write every waiting row now; returns how many. On failure the rows go back to the buffer."""
-        if self._pool is None:
-            return 0
-        async with self._flush_lock:
-            if not self._rows:
-                return 0
-            batch, self._rows = self._rows, []
-            try:
-                if self._conn is None:
-                    self._conn = await self._pool.acquire()
-                await self._conn.copy_records_to_table(
-                    "completion_usage", records=_rows(batch), columns=COLUMNS
-                )
-            except BaseException:
-                await self._release()  # in an unknown state: the pool resets it, or drops it if broken
-                room = max(0, self.max_rows - len(self._rows))
-                self.dropped += max(0, len(batch) - room)
-                self._rows[:0] = batch[:room]
-                raise
-            self.written += len(batch)
-            return len(batch)
-
-    async def aclose(self) -> None:
-        """Stop the background task (after the write it is doing: a batch cut in two at shutdown could lose
-        rows that no longer fit the buffer) and write what is left."""
-        self._closing = True
-        self._wake.set()
-        await tasks.finish(self._task, within_s=CLOSE_WAIT_S)
-        self._task = None
-        try:
-            await self.flush()
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            logger.error("usage lost at shutdown (%d rows): %s", len(self._rows), exc)
+    async def _closed(self) -> None:
         await self._release()
 
     async def _release(self) -> None:
