@@ -73,6 +73,8 @@ class Meter:
         """Monotonic time of the next budget check."""
         self.earlier: tuple[int, float] | None = None
         """Trained tokens and USD of the job's earlier attempts (read once: they do not change meanwhile)."""
+        self.graders: tuple[int | None, float] | None = None
+        """The step and USD of the job's model graders' completions, as last read."""
         self.billed_to: tuple[int, float] | None = None
         """Cumulative tokens and seconds at the step that reached `max_cost` or the key's spend limit: the
         attempt is billed to it."""
@@ -125,9 +127,12 @@ class Meter:
         will be when recorded)."""
         pool, settings, org_id = self.ctx.pool, self.ctx.settings, self.ctx.org_id
         graders = 0.0
-        if calls_models(self.ctx.row):
-            found = await job_cost.graders_usd(pool, settings, org_id=org_id, job_ids=[self.ctx.id])
-            graders = found.get(self.ctx.id, 0.0)
+        if calls_models(self.ctx.row):  # read once a step: the step's event and its max_cost check share it
+            step = self.progress.step
+            if self.graders is None or self.graders[0] != step:
+                found = await job_cost.graders_usd(pool, settings, org_id=org_id, job_ids=[self.ctx.id])
+                self.graders = (step, found.get(self.ctx.id, 0.0))
+            graders = self.graders[1]
         if self.earlier is None:
             self.earlier = await job_cost.recorded_usd(pool, settings, org_id=org_id, job_id=self.ctx.id)
         earlier_tokens, earlier_usd = self.earlier
