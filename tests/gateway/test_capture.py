@@ -110,6 +110,10 @@ def tokenizer(gw: GatewayServer) -> Any:
     return AutoTokenizer.from_pretrained(str(gw.settings.base_model_path(BASE)))
 
 
+IDS = ("logprobs", "token_ids")
+"""What capture asks the engine for, which a client that did not ask must see as it would without it."""
+
+
 def _without_ids(body: dict[str, Any]) -> dict[str, Any]:
     """An answer without what differs between two calls of the same request (its id and time)."""
     return {k: v for k, v in body.items() if k not in ("id", "created")}
@@ -423,8 +427,19 @@ def test_with_vllm_the_client_sees_the_same_and_ids_are_stored(
         ) as resp:
             return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
 
+    # vLLM puts several tokens in one chunk when its reader lags (a busy machine), so the two streams are
+    # compared by what they carry: the same fields in every chunk and choice, the same text and ending.
+    def carried(stream: list[dict[str, Any]]) -> tuple[Any, ...]:
+        fields = {frozenset(_without_ids(c)) for c in stream}
+        choice_fields = {frozenset(ch) for c in stream for ch in c.get("choices") or []}
+        deltas = [ch["delta"] for c in stream for ch in c.get("choices") or []]
+        text = "".join(d.get("content") or "" for d in deltas)
+        ends = [ch["finish_reason"] for c in stream for ch in c.get("choices") or [] if ch["finish_reason"]]
+        asked = {(k, json.dumps(ch.get(k))) for c in stream for ch in c.get("choices") or [] for k in IDS}
+        return fields, choice_fields, text, ends, asked, stream[-1].get("usage")
+
     seen = chunks(captured)
-    assert [_without_ids(c) for c in seen] == [_without_ids(c) for c in chunks(plain)]
+    assert carried(seen) == carried(chunks(plain))
     whole, streamed = _stored(captured, made.id), _stored(captured, seen[0]["id"])
     assert made.usage is not None
     assert whole["capture"]["prompt_token_ids"] == streamed["capture"]["prompt_token_ids"]
