@@ -121,6 +121,6 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
         allowed=verdict.allowed,
         refusal=verdict.refusal,
         max_cost=body.max_cost,
-        guards=guards.resolve(body.guards),
+        guards=guards.resolve(body.guards, method=method.type),
         assumptions=assumptions,
     )

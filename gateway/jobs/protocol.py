@@ -106,7 +106,7 @@ class FineTuningJob(OpenAIBaseModel):
             job.max_cost = row.max_cost_usd  # type: ignore[attr-defined]
         if row.estimated_cost_usd is not None:  # the expected cost estimated when it was queued
             job.estimated_cost = round(row.estimated_cost_usd, 6)  # type: ignore[attr-defined]
-        job.guards = guards.resolve(None, row.guards)  # type: ignore[attr-defined]
+        job.guards = guards.resolve(None, row.guards, method=row.method.type)  # type: ignore[attr-defined]
         return job
 
 

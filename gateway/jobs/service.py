@@ -133,7 +133,7 @@ async def _insert(
             idempotency_key=idempotency_key,
             request_hash=request_hash,
             max_cost=body.max_cost,
-            guards=guards.resolve(body.guards),
+            guards=guards.resolve(body.guards, method=method.type),
         )
     except asyncpg.UniqueViolationError:
         if idempotency_key is None:  # no key to collide on: not a concurrent create
@@ -259,8 +259,8 @@ async def validate(res: Resources, who: Principal, body: JobCreate) -> tuple[Job
         )
     check_suffix(body.suffix)
     check_metadata(body.metadata)
-    guards.resolve(body.guards)
     method = body.job_method
+    guards.resolve(body.guards, method=method.type)
     await _check_devices(res, body)
     if method.grader is not None:
         await check_grader(res, org, method.grader, "method.reinforcement.grader")

@@ -76,6 +76,10 @@ def test_explosion_against_the_running_median() -> None:
     early = _points(grad_norm=[1.0, 50.0])
     assert guards.explosion(early, factor=10, window=20, min_steps=3) is None
     assert guards.explosion(early, **_settings("explosion")) is not None  # one step is enough by default
+    # but for reinforcement, whose gradient norm moves several-fold from one step to the next
+    rl = {k: v for k, v in job_guards.defaults("reinforcement")["explosion"].items() if k != "action"}
+    assert rl["min_steps"] == 3 and guards.explosion(early, **rl, kind="reinforcement") is None
+    assert guards.explosion(_points(grad_norm=[0.2, 0.9, 0.5, 9.0]), **rl, kind="reinforcement") is not None
     # Steps that trained nothing (a zero norm) are not part of the median.
     assert (
         guards.explosion(_points(grad_norm=[0, 0, 0, 1.0, 1.0, 1.0, 8.0]), **_settings("explosion")) is None
@@ -158,6 +162,10 @@ def test_error_rate_over_its_window() -> None:
     )  # a window not full yet
     assert guards.error_rate(_points(env_error_rate=[0.1, 0.1, 0.1]), **settings) is not None
     assert guards.error_rate(_points(train_loss=[1.0, 1.0, 1.0]), **settings) is None
+    # One batch lost whole (a sandbox call that timed out) is one failure, not a rate; two are.
+    assert guards.error_rate(_points(env_error_rate=[0, 1.0, 0]), **settings) is None
+    assert guards.error_rate(_points(env_error_rate=[0, 1.0, 0.5]), **settings) is not None
+    assert guards.error_rate(_points(env_error_rate=[0.5]), max_rate=0.05, window=1) is not None
 
 
 def test_validation_divergence() -> None:
@@ -441,6 +449,7 @@ def test_a_grader_that_errors_on_a_tenth_of_its_calls(guard_worker: WorkerProces
     job = _rl_job(tenant, flaky, {"length_runaway": {"action": "off"}})
     paused = wait_for(tenant, job.id, ("paused", "succeeded", "failed", "cancelled"), timeout=60)
     assert paused.status == "paused", paused.error
+    assert (paused.model_extra or {})["guards"]["explosion"]["min_steps"] == 3  # reinforcement's default
     data = _guard_event(tenant, job.id, GUARD_PAUSED).data or {}
     assert data["guard"] == "error_rate" and data["step"] <= 5
     assert data["signal"]["error_rate"] > 0.05 and len(data["signal"]["rates"]) == 3

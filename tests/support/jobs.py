@@ -24,7 +24,9 @@ def wait_for(t: Tenant, job_id: str, states: tuple[str, ...] = FINAL_STATES, tim
     deadline = time.monotonic() + timeout
     job = t.client.fine_tuning.jobs.retrieve(job_id)
     while job.status not in states:
-        assert time.monotonic() < deadline, f"job {job_id} stuck in {job.status}"
+        if time.monotonic() >= deadline:
+            said = [f"{e.level}: {e.message}" for e in all_events(t, job_id)[:8]]
+            raise AssertionError(f"job {job_id} stuck in {job.status}; its latest events: {said}")
         time.sleep(0.3)
         job = t.client.fine_tuning.jobs.retrieve(job_id)
     return job

@@ -187,11 +187,16 @@ def sampler_mismatch(
 
 def error_rate(points: Sequence[Point], *, max_rate: float, window: int) -> Signal | None:
     """The grader's or environment's error rate (`grader_error_rate`, `env_error_rate`: the share of a step's
-    rewards that failed), averaged over the last `window` steps that report one, above `max_rate`."""
+    rewards that failed), averaged over the last `window` steps that report one, above `max_rate`, with
+    failures at two or more of those steps."""
     rates = [max(found) for p in points if (found := _finite([_number(p, key) for key in ERROR_RATES]))][
         -window:
     ]
     if len(rates) < window or not any(_number(points[-1], key) is not None for key in ERROR_RATES):
+        return None
+    # One failed call into a sandbox (a timeout on a loaded machine) fails its whole batch: a rate needs
+    # failures at two of the window's steps.
+    if sum(rate > 0 for rate in rates) < min(2, window):
         return None
     mean = sum(rates) / len(rates)
     if mean > max_rate:
@@ -296,8 +301,8 @@ class Guards:
         self.ctx = ctx
         self.progress = progress
         self.pause = pause
-        self.settings = job_guards.resolve(None, ctx.row.guards)
         self.kind = ctx.row.method.type
+        self.settings = job_guards.resolve(None, ctx.row.guards, method=self.kind)
         self.points: list[Point] = []
         self.acted: set[str] = set()
         """Guards that acted in this attempt (each acts once an attempt)."""
