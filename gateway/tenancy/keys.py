@@ -24,6 +24,8 @@ from gateway.tenancy import store
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "sk-tg-"
+EPISODE_KEY_NAME = "episode "
+"""An episode key's name is this and its episode's id."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,10 @@ class Principal:
     api_key_id: str
     kind: str = "user"
     """`user` for keys made through the admin API; `eval` or `job` for keys the system minted for one eval
-    run or training job (`gateway.tenancy.scoped`), which may call the inference routes only."""
+    run or training job, `episode` for a key minted for one episode of captured traffic
+    (`gateway.tenancy.scoped`): those may call the inference routes only."""
+    episode_id: str | None = None
+    """The episode of an `episode` key: every call made with it is captured into that episode."""
 
 
 def generate_key() -> tuple[str, str, bytes]:
@@ -91,7 +96,8 @@ class Authenticator:
         if row is None:
             self._cache.pop(digest, None)
             return None
-        principal = Principal(row.organization_id, row.id, row.kind)
+        episode = row.name.removeprefix(EPISODE_KEY_NAME) if row.kind == "episode" and row.name else None
+        principal = Principal(row.organization_id, row.id, row.kind, episode)
         if len(self._cache) > 100_000:
             self._cache.clear()
         if forgotten == self._forgotten:  # else a key was revoked meanwhile: look again next time

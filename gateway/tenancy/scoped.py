@@ -29,7 +29,7 @@ from gateway.db import Conn
 from gateway.tenancy import store
 from gateway.tenancy.keys import generate_key
 
-KINDS = ("eval", "job")
+KINDS = ("eval", "job", "episode")
 """Kinds of minted keys (people's keys are `user`)."""
 
 

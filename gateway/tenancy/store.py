@@ -38,6 +38,7 @@ class LiveKey:
     id: str
     organization_id: str
     kind: str
+    name: str | None
     expires_in_s: float | None
     """Seconds until it expires; None when it never does."""
 
@@ -55,7 +56,7 @@ REVOKE_KEY = """
 UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1 RETURNING *"""
 # A live key: not revoked, not expired. `expires_in_s` lets the cache keep it no longer than it lives.
 KEY_BY_DIGEST = """
-SELECT k.id, k.organization_id, k.kind,
+SELECT k.id, k.organization_id, k.kind, k.name,
        extract(epoch FROM k.expires_at - now())::float8 AS expires_in_s
 FROM api_keys k
 WHERE k.digest = $1 AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())"""
