@@ -17,6 +17,8 @@ from envsdk.sandbox import remove_stale_dirs
 from gateway.aliases.router import router as aliases_router
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
+from gateway.capture.episodes_router import router as episodes_router
+from gateway.capture.export_router import router as export_router
 from gateway.capture.recorder import Capturer
 from gateway.capture.router import admin_router as capture_admin_router
 from gateway.capture.router import router as capture_router
@@ -38,6 +40,8 @@ from gateway.offload import Offload
 from gateway.ops.router import router as ops_router
 from gateway.queue import make_queue
 from gateway.serving.engines import Engines
+from gateway.serving.messages_router import router as messages_router
+from gateway.serving.responses_router import router as responses_router
 from gateway.serving.router import router as serving_router
 from gateway.serving.targets import ModelCache
 from gateway.settings import Settings
@@ -158,6 +162,10 @@ def create_app(settings: Settings) -> FastAPI:
         billing_router,
         capture_admin_router,
         capture_router,
+        export_router,
+        episodes_router,
+        responses_router,
+        messages_router,
     ):
         app.include_router(router)
     app.include_router(graders_router)
