@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-router = APIRouter(prefix="/v1/episodes", tags=["episodes"])
+router = APIRouter(prefix="/v1", tags=["episodes"])

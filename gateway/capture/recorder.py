@@ -322,6 +322,12 @@ class Capturer:
     def __init__(self) -> None:
         self.policies = CapturePolicies()
         self.writer = CaptureWriter()
+        self.closed: set[tuple[str, str]] = set()
+        """Episodes closed through this gateway, by (organisation, episode id)."""
+
+    def mark_closed(self, org_id: str, episode_id: str) -> None:
+        """An episode was closed (or deleted) through this gateway: calls into it are refused from now on."""
+        self.closed.add((org_id, episode_id))
 
     def begin(self, scope: Scope, who: Principal, proxy: ProxyRequest, target: Target) -> Capture | None:
         """The capture of this request, or None (one dict lookup where capture is off)."""
