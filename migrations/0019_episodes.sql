@@ -29,8 +29,11 @@ CREATE INDEX episodes_order ON episodes (organization_id, created_at, seq);
 -- `prompt_prefix_tokens` ids of the prompt are its prompt plus its sampled completion (choice 0), and
 -- `prompt_token_ids` holds only the ids after them. Where the prompt does not start with them,
 -- `segment_break` says why (and the ids are whole).
+-- Likewise the request's `messages`: the first `messages_prefix` are the previous turn's request messages,
+-- and the stored request holds the ones after them.
 ALTER TABLE captured_completions ADD COLUMN previous_id text;
 ALTER TABLE captured_completions ADD COLUMN prompt_prefix_tokens integer NOT NULL DEFAULT 0;
+ALTER TABLE captured_completions ADD COLUMN messages_prefix integer NOT NULL DEFAULT 0;
 ALTER TABLE captured_completions ADD COLUMN segment_break jsonb;
 ALTER TABLE captured_completions ADD COLUMN cost_usd double precision;
 ALTER TABLE captured_completions ADD COLUMN stored_bytes integer NOT NULL DEFAULT 0;

@@ -107,7 +107,8 @@ REQUEST_FIELDS = (
 
 def stored_completion(row: CapturedRow, *, detail: bool) -> dict[str, Any]:
     """A stored completion as OpenAI's API shows it: the answer the client had, its `metadata` and the
-    request's settings; `detail` (retrieve) adds tunegate's `capture` object, with the token ids."""
+    request's settings; `detail` (retrieve) adds tunegate's `capture` object, with the token ids (`row`
+    whole: `gateway.capture.sequences`)."""
     response = row.response
     out: dict[str, Any] = {
         "id": row.id,
@@ -145,6 +146,9 @@ def stored_completion(row: CapturedRow, *, detail: bool) -> dict[str, Any]:
                 }
                 for i in range(count)
             ],
+            "previous_id": row.previous_id,
+            "segment_break": row.segment_break,
+            "stored_bytes": row.stored_bytes,
             "finish_reason": row.finish_reason,
             "latency_ms": row.latency_ms,
             "status": row.status,

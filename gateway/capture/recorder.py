@@ -24,11 +24,12 @@ import asyncpg
 import orjson
 from starlette.types import Scope
 
+from gateway.capture import store
 from gateway.capture.policy import CapturePolicies
-from gateway.capture.protocol import check_metadata
+from gateway.capture.protocol import DEFAULT_RETENTION_DAYS, check_metadata
 from gateway.capture.store import CapturedRow
 from gateway.capture.writer import CaptureWriter
-from gateway.errors import InvalidRequest
+from gateway.errors import Conflict, InvalidRequest
 from gateway.serving.engines import Target
 from gateway.serving.protocol import ProxyRequest
 from gateway.tenancy.keys import Principal
@@ -47,6 +48,8 @@ EPISODE_HEADERS = {
 """Headers that name the episode of a call (and its parent). Agent Lightning's attempt is the episode, its
 rollout the parent; a rollout without an attempt is the episode."""
 MAX_EPISODE_ID_CHARS = 256
+CLOSED_CHECK_S = 5.0
+"""How often a gateway looks up whether an episode it serves was closed through another gateway."""
 
 
 def episode_of(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, str | None]:
@@ -323,16 +326,22 @@ class Capturer:
         self.policies = CapturePolicies()
         self.writer = CaptureWriter()
         self.closed: set[tuple[str, str]] = set()
-        """Episodes closed through this gateway, by (organisation, episode id)."""
+        """Episodes known to be closed, by (organisation, episode id)."""
+        self._checked: dict[tuple[str, str], float] = {}
+        """When each episode seen lately was last looked up (`_check_open`)."""
+        self._pool: asyncpg.Pool | None = None
 
     def mark_closed(self, org_id: str, episode_id: str) -> None:
         """An episode was closed (or deleted) through this gateway: calls into it are refused from now on."""
         self.closed.add((org_id, episode_id))
 
-    def begin(self, scope: Scope, who: Principal, proxy: ProxyRequest, target: Target) -> Capture | None:
-        """The capture of this request, or None (one dict lookup where capture is off)."""
+    async def begin(
+        self, scope: Scope, who: Principal, proxy: ProxyRequest, target: Target
+    ) -> Capture | None:
+        """The capture of this request, or None (one dict lookup where capture is off). Every chat call of
+        an episode key is captured into its episode; a call into a closed episode is a 409."""
         setting = self.policies.of(who.organization_id, who.api_key_id)
-        if setting is None or scope["path"] != CHAT_PATH:
+        if (setting is None and who.episode_id is None) or scope["path"] != CHAT_PATH:
             return None
         store_flag = proxy.body.get("store")
         if store_flag is not None and not isinstance(store_flag, bool):
@@ -340,22 +349,53 @@ class Capturer:
                 "Invalid value for 'store': expected a boolean.", param="store", code="invalid_value"
             )
         episode, parent = episode_of(scope["headers"])
+        if who.episode_id is not None:
+            episode = who.episode_id
         if not store_flag and episode is None:
             return None
+        metadata = check_metadata(proxy.body.get("metadata"))
+        if episode is not None:
+            await self._check_open(who.organization_id, episode)
         return Capture(
             writer=self.writer,
             who=who,
             proxy=proxy,
             target=target,
-            metadata=check_metadata(proxy.body.get("metadata")),
+            metadata=metadata,
             stored=bool(store_flag),
             episode_id=episode,
             parent_episode_id=parent,
-            retention_days=setting.retention_days,
+            retention_days=setting.retention_days if setting is not None else DEFAULT_RETENTION_DAYS,
         )
+
+    async def _check_open(self, org_id: str, episode_id: str) -> None:
+        """A 409 for a call into a closed episode: one closed through this gateway is known at once, one
+        closed through another is looked up at most every `CLOSED_CHECK_S` per episode."""
+        key = (org_id, episode_id)
+        now = time.monotonic()
+        if (
+            key not in self.closed
+            and self._pool is not None
+            and now - self._checked.get(key, -1e9) > CLOSED_CHECK_S
+        ):
+            if len(self._checked) > 100_000:
+                self._checked.clear()
+            self._checked[key] = now
+            try:
+                if await store.episode_closed(self._pool, org_id=org_id, episode_id=episode_id):
+                    self.closed.add(key)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                logger.warning("could not check whether episode %s is closed: %s", episode_id, exc)
+        if key in self.closed:
+            raise Conflict(
+                f"The episode '{episode_id}' is closed: it takes no more calls (rewards are still welcome).",
+                param="episode",
+                code="episode_closed",
+            )
 
     async def start(self, pool: asyncpg.Pool) -> None:
         """Load the settings, then keep them fresh and write records in the background."""
+        self._pool = pool
         try:
             await self.policies.reload(pool)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:

@@ -3,6 +3,7 @@ Another organisation's ids are 404, as unknown ones are."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from gateway.capture import store
@@ -14,6 +15,7 @@ from gateway.capture.protocol import (
     stored_completion,
     stored_messages,
 )
+from gateway.capture.sequences import Turn, rebuild
 from gateway.capture.store import CapturedRow
 from gateway.deps import Resources
 from gateway.errors import not_found
@@ -68,7 +70,28 @@ async def _get(res: Resources, who: Principal, completion_id: str) -> CapturedRo
     row = await store.get(res.pool, org_id=who.organization_id, completion_id=completion_id)
     if row is None:
         raise not_found("chat completion", completion_id, param="completion_id")
-    return row
+    return await _whole(res, row)
+
+
+def _made_whole(row: CapturedRow, turn: Turn | None) -> CapturedRow:
+    """The record with its whole prompt ids and messages (from its episode's `turn` of it)."""
+    if turn is None or (row.prompt_prefix_tokens == 0 and row.messages_prefix == 0):
+        return row
+    return dataclasses.replace(
+        row,
+        prompt_token_ids=turn.prompt_ids,
+        request={**row.request, "messages": turn.messages},
+        prompt_prefix_tokens=0,
+        messages_prefix=0,
+    )
+
+
+async def _whole(res: Resources, row: CapturedRow) -> CapturedRow:
+    """A record stored as a delta on an earlier turn of its episode, made whole."""
+    if row.episode_id is None or (row.prompt_prefix_tokens == 0 and row.messages_prefix == 0):
+        return row
+    records = await store.episode_records(res.pool, org_id=row.organization_id, episode_id=row.episode_id)
+    return _made_whole(row, rebuild(records).get(row.id))
 
 
 async def list_completions(
@@ -119,12 +142,28 @@ async def update(
     )
     if row is None:
         raise not_found("chat completion", completion_id, param="completion_id")
-    return stored_completion(row, detail=True)
+    return stored_completion(await _whole(res, row), detail=True)
 
 
 async def delete(res: Resources, who: Principal, completion_id: str) -> dict[str, Any]:
-    if not await store.delete(res.pool, org_id=who.organization_id, completion_id=completion_id):
-        raise not_found("chat completion", completion_id, param="completion_id")
+    """Delete one record. The later turns of its episode that were stored as deltas on it are stored whole
+    first, in the same transaction: they lose nothing."""
+    org_id = who.organization_id
+    async with res.pool.acquire() as conn, conn.transaction():
+        row = await store.get(conn, org_id=org_id, completion_id=completion_id)
+        if row is not None and row.episode_id is not None:
+            records = await store.episode_records(conn, org_id=org_id, episode_id=row.episode_id)
+            turns = rebuild(records)
+            for later in records:
+                turn = turns[later.id]
+                if later.previous_id == row.id and (later.prompt_prefix_tokens or later.messages_prefix):
+                    request = {**later.request, "messages": turn.messages}
+                    await store.store_whole(
+                        conn, org_id=org_id, completion_id=later.id, prompt=turn.prompt_ids, request=request
+                    )
+            res.capture.writer.turns.pop((org_id, row.episode_id), None)
+        if row is None or not await store.delete(conn, org_id=org_id, completion_id=completion_id):
+            raise not_found("chat completion", completion_id, param="completion_id")
     return deleted(completion_id)
 
 

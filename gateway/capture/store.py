@@ -46,6 +46,16 @@ class CapturedRow:
     status: int
     created_at: datetime
     expires_at: datetime | None
+    previous_id: str | None = None
+    """The episode's turn this call's prompt extends (`gateway.capture.sequences`)."""
+    prompt_prefix_tokens: int = 0
+    """How many of the prompt's ids are that turn's sequence (`prompt_token_ids` holds the rest)."""
+    messages_prefix: int = 0
+    """How many of the request's messages are that turn's (`request["messages"]` holds the rest)."""
+    segment_break: dict[str, Any] | None = None
+    """Why the prompt extends no earlier turn of the episode, where it does not."""
+    stored_bytes: int = 0
+    """The bytes the record stores (its JSON fields, as written)."""
 
 
 CAPTURED_FIELDS = tuple(f.name for f in fields(CapturedRow))
@@ -66,12 +76,26 @@ INSERT = """
 INSERT INTO captured_completions (
     organization_id, id, api_key_id, episode_id, parent_episode_id, stored, streamed, model, base_model,
     served_version, request, response, metadata, prompt_token_ids, completion_token_ids, logprobs,
-    finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at
+    finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at, previous_id,
+    prompt_prefix_tokens, messages_prefix, segment_break, stored_bytes
 ) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21,
-          $22, $23)
+          $22, $23, $24, $25, $26, $27, $28)
 ON CONFLICT (organization_id, id) DO NOTHING
 """
 """A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it."""
+
+# An episode named by a captured call: made by its first call, its last call's end kept.
+UPSERT_EPISODE = """
+INSERT INTO episodes (organization_id, id, parent_episode_id, created_at, last_call_at, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (organization_id, id)
+DO UPDATE SET last_call_at = greatest(episodes.last_call_at, EXCLUDED.last_call_at)
+"""
+EPISODE_CLOSED = """
+SELECT closed_at IS NOT NULL OR (on_idle = 'close'
+       AND coalesce(last_call_at, created_at) + make_interval(secs => idle_timeout_s) < now())
+FROM episodes WHERE organization_id = $1 AND id = $2
+"""
 
 LIVE = "(expires_at IS NULL OR expires_at > now())"
 GET_ONE = f"SELECT * FROM captured_completions WHERE organization_id = $1 AND id = $2 AND {LIVE}"
@@ -84,6 +108,16 @@ WHERE organization_id = $1 AND {LIVE}
         SELECT created_at, seq FROM captured_completions WHERE organization_id = $1 AND id = $4))
 ORDER BY created_at {{dir}}, seq {{dir}}
 LIMIT $5
+"""
+EPISODE_RECORDS = f"""
+SELECT * FROM captured_completions
+WHERE organization_id = $1 AND episode_id = $2 AND {LIVE}
+ORDER BY seq
+"""
+STORE_WHOLE = """
+UPDATE captured_completions
+SET prompt_token_ids = $3, request = $4, previous_id = NULL, prompt_prefix_tokens = 0, messages_prefix = 0
+WHERE organization_id = $1 AND id = $2
 """
 LIST_ASC = LIST.format(op=">", dir="ASC")
 LIST_DESC = LIST.format(op="<", dir="DESC")
@@ -121,6 +155,29 @@ async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
 async def insert_many(conn: Conn, rows: list[CapturedRow]) -> None:
     """Write captured calls (`INSERT` takes `CapturedRow`'s fields in their order)."""
     await conn.executemany(INSERT, [tuple(getattr(r, f) for f in CAPTURED_FIELDS) for r in rows])
+
+
+async def upsert_episodes(conn: Conn, episodes: list[tuple[Any, ...]]) -> None:
+    """Make (or touch) the episodes that captured calls name: `(org_id, id, parent_id, created_at,
+    last_call_at, expires_at)` each."""
+    await conn.executemany(UPSERT_EPISODE, episodes)
+
+
+async def episode_closed(conn: Conn, *, org_id: str, episode_id: str) -> bool:
+    """Whether the episode is closed (an unknown one is not)."""
+    return bool(await conn.fetchval(EPISODE_CLOSED, org_id, episode_id))
+
+
+async def episode_records(conn: Conn, *, org_id: str, episode_id: str) -> list[CapturedRow]:
+    """Every live record of an episode, oldest first."""
+    return rows_to(CapturedRow, await conn.fetch(EPISODE_RECORDS, org_id, episode_id))
+
+
+async def store_whole(
+    conn: Conn, *, org_id: str, completion_id: str, prompt: list[int] | None, request: dict[str, Any]
+) -> None:
+    """Store a record whole (its prompt ids and messages no longer a delta on an earlier turn)."""
+    await conn.execute(STORE_WHOLE, org_id, completion_id, prompt, request)
 
 
 async def get(conn: Conn, *, org_id: str, completion_id: str) -> CapturedRow | None:

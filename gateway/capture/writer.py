@@ -1,17 +1,28 @@
 """Captured calls written off the request path: `CaptureWriter`, a `gateway.batches.BatchWriter` of
-`CapturedRow`s (one call, as migration 0018 holds it; one `executemany` per batch), as `gateway.usage.buffer`
-is for usage. The same task deletes records past their retention now and then.
+`CapturedRow`s (one call, as migrations 0018-0019 hold it; one `executemany` per batch), as
+`gateway.usage.buffer` is for usage. The same task deletes records past their retention now and then.
+
+A call of an episode is stored as a delta on the episode's turn it extends (`gateway.capture.sequences`):
+the writer keeps the last `TURNS_KEPT` whole turns of up to `EPISODES_KEPT` recent episodes in memory, and
+reads an episode's records back from the database (once) when it has none of its turns, such as after a
+restart or when another gateway served its earlier calls. The episodes that calls name are made (or
+touched: `last_call_at`) in the same transaction as the calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections import OrderedDict
+from datetime import timedelta
 
 import asyncpg
+import orjson
 
 from gateway.batches import BatchWriter
 from gateway.capture import store
+from gateway.capture.sequences import Turn, link, rebuild, turn_of
 from gateway.capture.store import CapturedRow
 
 logger = logging.getLogger(__name__)
@@ -20,6 +31,16 @@ logger = logging.getLogger(__name__)
 PURGE_EVERY_S = 600.0
 """How often a gateway deletes records past their retention (reads never show them anyway)."""
 PURGE_BATCH = 1000
+TURNS_KEPT = 4
+"""Whole turns kept per episode: a call extends the newest of them its prompt starts with."""
+EPISODES_KEPT = 512
+"""Episodes whose recent turns are kept in memory (the least recently written are let go)."""
+
+
+def stored_bytes(row: CapturedRow) -> int:
+    """The bytes of what a record stores: its JSON fields, as written."""
+    parts = (row.request, row.response, row.metadata, row.prompt_token_ids, row.completion_token_ids)
+    return sum(len(orjson.dumps(p)) for p in (*parts, row.logprobs, row.segment_break) if p is not None)
 
 
 class CaptureWriter(BatchWriter[CapturedRow]):
@@ -32,9 +53,63 @@ class CaptureWriter(BatchWriter[CapturedRow]):
     ) -> None:
         super().__init__(max_rows=max_rows, flush_rows=flush_rows, flush_interval_s=flush_interval_s)
         self._purged_at = 0.0
+        self.turns: OrderedDict[tuple[str, str], list[Turn]] = OrderedDict()
+        """Recent whole turns of recent episodes, by (organisation, episode id)."""
 
     async def _write(self, pool: asyncpg.Pool, batch: list[CapturedRow]) -> None:
-        await store.insert_many(pool, batch)
+        touched: set[tuple[str, str]] = set()
+        try:
+            async with pool.acquire() as conn:
+                rows = [await self._placed(conn, row, touched) for row in batch]
+                episodes = {
+                    (r.organization_id, r.episode_id): (
+                        r.organization_id,
+                        r.episode_id,
+                        r.parent_episode_id,
+                        r.created_at,
+                        r.created_at + timedelta(milliseconds=r.latency_ms),
+                        r.expires_at,
+                    )
+                    for r in rows
+                    if r.episode_id is not None
+                }
+                async with conn.transaction():
+                    await store.upsert_episodes(conn, sorted(episodes.values(), key=lambda e: e[4]))
+                    await store.insert_many(conn, rows)
+        except BaseException:
+            for key in touched:  # their turns may not have been written: read them back next time
+                self.turns.pop(key, None)
+            raise
+
+    async def _placed(
+        self, conn: asyncpg.Connection, row: CapturedRow, touched: set[tuple[str, str]]
+    ) -> CapturedRow:
+        """The record as stored: a delta on its episode's turn it extends (`sequences.link`)."""
+        if row.episode_id is None:
+            return dataclasses.replace(row, stored_bytes=stored_bytes(row))
+        key = (row.organization_id, row.episode_id)
+        touched.add(key)
+        turns = self.turns.pop(key, None)
+        if turns is None:
+            records = await store.episode_records(conn, org_id=key[0], episode_id=key[1])
+            turns = list(rebuild(records).values())[-TURNS_KEPT:]
+        whole = turn_of(row)
+        placed = link(turns, whole)
+        self.turns[key] = [*turns, whole][-TURNS_KEPT:]
+        while len(self.turns) > EPISODES_KEPT:
+            self.turns.popitem(last=False)
+        out = dataclasses.replace(
+            row,
+            previous_id=placed.previous_id,
+            prompt_prefix_tokens=placed.prompt_prefix_tokens,
+            prompt_token_ids=placed.prompt_delta,
+            segment_break=placed.segment_break,
+            messages_prefix=placed.messages_prefix,
+            request={**row.request, "messages": placed.messages_delta}
+            if "messages" in row.request
+            else row.request,
+        )
+        return dataclasses.replace(out, stored_bytes=stored_bytes(out))
 
     async def _after_flush(self) -> None:
         """Delete records past their retention, every `PURGE_EVERY_S`."""

@@ -103,8 +103,8 @@ async def proxy_asgi(scope: Scope, receive: Receive, send: Send) -> None:
         proxy.check_max_tokens(limits.context_length)
         proxy.check_prompt(limits.context_length, limits.max_prompt_chars, prompt_param(scope["path"]))
         capture = None
-        if who.organization_id in res.capture.policies.orgs:  # the one lookup where capture is off
-            capture = res.capture.begin(scope, who, proxy, target)
+        if who.organization_id in res.capture.policies.orgs or who.episode_id is not None:
+            capture = await res.capture.begin(scope, who, proxy, target)  # the lookup where capture is off
         if proxy.stream:
             await service.stream(res, tracked_send, who, scope["path"], proxy, target, capture)
         else:
