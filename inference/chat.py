@@ -139,13 +139,33 @@ class _Choice:
     finish_reason: str | None = None
 
 
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "tokenize", "chat_template", "conversation", "documents"}
+)
+
+
+def _template_variables(given: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` for the template; a 400 for one that would replace an argument of its own."""
+    for name in given or {}:
+        if name in _RESERVED_TEMPLATE_VARIABLES or not name.isidentifier():
+            raise BadRequestError(
+                f"chat_template_kwargs may not set '{name}'.", param=f"chat_template_kwargs.{name}"
+            )
+    return dict(given or {})
+
+
 def plan_chat(engine: ModelEngine, req: ChatCompletionRequest) -> ChatPlan:
     """Render the prompt and decide on forced prefixes."""
     messages = _normalise_messages(req.messages)
     tools: list[Any] | None = list(req.tools or []) if req.tools_enabled() else None
     try:
         prompt = engine.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=req.chat_template,
+            **_template_variables(req.chat_template_kwargs),
         )
     except Exception as exc:
         raise BadRequestError(f"Cannot render the chat template: {exc}", param="messages") from exc

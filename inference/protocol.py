@@ -77,6 +77,11 @@ class ChatCompletionRequest(_SamplingFields):
     """Answer with the prompt's token ids (``prompt_token_ids``) and each choice's (``token_ids``; in a
     stream, the first chunk's ``prompt_token_ids`` and each chunk's new ``token_ids``), as vLLM's extra
     parameter."""
+    chat_template: str | None = Field(default=None, max_length=65_536)
+    """A chat template for this request instead of the model's (rendered in a sandboxed Jinja), as vLLM's
+    extra parameter."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (such as ``enable_thinking``), as vLLM's extra parameter."""
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
