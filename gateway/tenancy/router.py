@@ -46,9 +46,9 @@ async def create_api_key(org_id: str, pool: PoolDep, body: ApiKeyCreate | None =
 
 @router.get("/organizations/{org_id}/api_keys")
 async def list_api_keys(
-    org_id: str, pool: PoolDep, kind: Literal["user", "eval", "job", "all"] = "user"
+    org_id: str, pool: PoolDep, kind: Literal["user", "eval", "job", "episode", "all"] = "user"
 ) -> ApiKeyList:
-    """People's keys; `kind=eval|job|all` shows the keys workers minted for eval runs and jobs too."""
+    """People's keys; `kind=eval|job|episode|all` shows the keys minted for eval runs, jobs, episodes too."""
     return ApiKeyList(data=await service.list_keys(pool, org_id, None if kind == "all" else kind))
 
 
