@@ -1,7 +1,72 @@
-"""Anthropic's Messages API (`POST /v1/messages`) on base and fine-tuned models."""
+"""Anthropic's Messages API (`POST /v1/messages`) on base and fine-tuned models.
+
+A request is translated into a chat completion (`gateway.serving.anthropic`) and served by the chat path
+itself (`gateway.serving.bridge`): model resolution, limits, budgets, metering and capture are chat's. The
+key comes as Anthropic's SDK sends it (`x-api-key`) or as a bearer token; errors on this route are
+Anthropic's shape (`{"type": "error", "error": {...}}`, OpenAI's fields inside).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import orjson
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.deps import Resources
+from gateway.errors import AuthenticationFailed, as_api_error
+from gateway.serving import anthropic, bridge
+from gateway.tenancy.keys import bearer_token
 
 router = APIRouter(prefix="/v1", tags=["messages"])
+
+
+def _headers(scope: Scope) -> list[tuple[bytes, bytes]]:
+    """The request's headers with the key as a bearer token (Anthropic's SDK sends it as `x-api-key`)."""
+    headers: list[tuple[bytes, bytes]] = scope["headers"]
+    if bridge.header(scope, b"authorization") is not None:
+        return headers
+    key = bridge.header(scope, b"x-api-key")
+    if key is None:
+        raise AuthenticationFailed(
+            "You didn't provide an API key. Provide it in the x-api-key header or as a Bearer token."
+        )
+    return [*headers, (b"authorization", b"Bearer " + key.strip().encode("latin-1"))]
+
+
+class _Messages(Response):
+    """The answer of `POST /v1/messages`, served as ASGI (the body is read here, not by FastAPI)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            res: Resources = scope["app"].state.resources
+            body = await bridge.read_body(receive)
+            headers = _headers(scope)
+            await res.auth.authenticate(bearer_token(bridge.header({"headers": headers}, b"authorization")))
+            request = bridge.parse_json(body)
+            chat = anthropic.to_chat(request)
+            translator = anthropic.MessagesTranslator(request)
+            await bridge.serve_as_chat(scope, receive, tracked, chat, translator, headers=headers)
+        except Exception as exc:
+            if started:
+                raise
+            error = as_api_error(exc, "POST", scope["path"])
+            out = orjson.dumps(anthropic.api_error_body(error))
+            head = [(k.encode(), v.encode()) for k, v in error.headers.items()]
+            await send(bridge.json_start(error.status, head, len(out)))
+            await send({"type": "http.response.body", "body": out})
+
+
+@router.post("/messages", response_model=None)
+async def create_message(request: Request) -> Response:
+    return _Messages()
