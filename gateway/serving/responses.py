@@ -271,6 +271,8 @@ class ResponsesTranslator:
         self.output: list[dict[str, Any]] = []
         self.text: str | None = None
         """The text of the message item being streamed (None: none open)."""
+        self.text_id = ""
+        """That message item's id (`msg_X`; a later one after a tool call `msg_X_<output index>`)."""
         self.calls: dict[int, dict[str, Any]] = {}
         """Function-call items being streamed, by the chat stream's tool-call index."""
         self.open_call: int | None = None
@@ -356,7 +358,7 @@ class ResponsesTranslator:
 
     def _open_text(self) -> list[bytes]:
         index = len(self.output)
-        item_id = f"msg_{self.suffix}"
+        item_id = self.text_id = f"msg_{self.suffix}" + (f"_{index}" if index else "")
         self.output.append(_message_item(item_id, "", "in_progress"))
         self.text = ""
         return [
@@ -374,7 +376,7 @@ class ResponsesTranslator:
         if self.text is None:
             return []
         index = len(self.output) - 1
-        item_id = f"msg_{self.suffix}"
+        item_id = self.text_id
         text, self.text = self.text, None
         part = _text_part(text)
         self.output[index] = item = _message_item(item_id, text)
@@ -453,7 +455,7 @@ class ResponsesTranslator:
                 out.append(
                     self._emit(
                         "response.output_text.delta",
-                        item_id=f"msg_{self.suffix}",
+                        item_id=self.text_id,
                         output_index=len(self.output) - 1,
                         content_index=0,
                         delta=piece,

@@ -486,3 +486,76 @@ def test_with_vllm(vllm_gw: GatewayServer) -> None:
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
         assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
     _check_capture(vllm_gw, admin)
+
+
+def test_translation_of_blocks_and_of_a_stream_error() -> None:
+    """Without a stack: tool results come before the user's text, tool uses join the assistant's text, and an
+    engine's error mid-stream is an Anthropic `error` event."""
+    from gateway.serving.anthropic import MessagesTranslator, to_chat
+
+    chat = to_chat(
+        {
+            "model": BASE,
+            "max_tokens": 9,
+            "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "messages": [
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hm", "signature": "s"},
+                        {"type": "text", "text": "Checking."},
+                        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "21C"}],
+                        },
+                        {"type": "text", "text": "Thanks."},
+                    ],
+                },
+            ],
+            "tool_choice": {"type": "any"},
+            "tools": [TOOL],
+            "metadata": {"user_id": "u1"},
+            "stop_sequences": ["\n\n"],
+        }
+    )
+    assert chat == {
+        "model": BASE,
+        "max_tokens": 9,
+        "messages": [
+            {"role": "system", "content": "a\nb"},
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {
+                        "id": "t1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "t1", "content": "21C"},
+            {"role": "user", "content": "Thanks."},
+        ],
+        "stop": ["\n\n"],
+        "tools": [CHAT_TOOL],
+        "tool_choice": "required",
+        "user": "u1",
+    }
+    t = MessagesTranslator({"model": BASE})
+    (event,) = t.stream_error(
+        {"error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_error"}}
+    )
+    assert event == (
+        b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"boom","param":null,'
+        b'"code":"upstream_error"}}\n\n'
+    )

@@ -509,3 +509,80 @@ def test_with_vllm(vllm_gw: GatewayServer) -> None:
         final = stream.get_final_response()
     assert final.output_text == whole.output_text and final.status == whole.status
     _check_capture(vllm_gw, admin)
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"id": "chatcmpl-abc", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_translation_of_items_and_of_a_mixed_stream() -> None:
+    """Without a stack: input items become chat messages (a call joins the assistant turn before it), and a
+    stream of text, a call and text again gives three items with ids of their own, then an engine's error
+    mid-stream ends it with an `error` event."""
+    from gateway.serving.responses import ResponsesTranslator, to_chat
+
+    chat = to_chat(
+        {
+            "model": BASE,
+            "instructions": "Be brief.",
+            "input": [
+                {"type": "message", "role": "developer", "content": "Use tools."},
+                {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+                },
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "21C"},
+            ],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 5,
+        }
+    )
+    assert chat == {
+        "model": BASE,
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "21C"},
+        ],
+        "max_tokens": 5,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+
+    t = ResponsesTranslator({"model": BASE})
+    deltas: list[dict[str, Any]] = [
+        {"role": "assistant", "content": "A"},
+        {"tool_calls": [{"index": 0, "id": "c9", "function": {"name": "f", "arguments": "{"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
+        {"content": "B"},
+    ]
+    out = b"".join(b"".join(t.event(_chunk(d))) for d in deltas) + b"".join(t.finish())
+    events = [json.loads(b.split(b"\ndata: ")[1]) for b in out.split(b"\n\n") if b]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [(i["type"], i["id"]) for i in final["output"]] == [
+        ("message", "msg_abc"),
+        ("function_call", "fc_abc_0"),
+        ("message", "msg_abc_2"),
+    ]
+    assert final["output"][1]["arguments"] == "{}" and final["output"][2]["content"][0]["text"] == "B"
+    error = t.stream_error(
+        {"error": {"message": "boom", "type": "server_error", "param": None, "code": "upstream_error"}}
+    )
+    assert json.loads(error[0].split(b"\ndata: ")[1]) == {
+        "type": "error",
+        "sequence_number": len(events),
+        "code": "upstream_error",
+        "message": "boom",
+        "param": None,
+    }
