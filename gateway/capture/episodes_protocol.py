@@ -26,6 +26,8 @@ MAX_REWARD_ABS = 1e6
 MAX_REWARD_NAME_CHARS = 64
 MAX_SOURCE_CHARS = 256
 MAX_COMMENT_CHARS = 1024
+MAX_UNIX_S = 253_402_300_799
+"""The last second of year 9999: the latest time a filter takes (PostgreSQL's timestamps end soon after)."""
 
 
 # ---- requests ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Header, Query, Request
 
 from gateway.capture import episodes as service
 from gateway.capture.episodes_protocol import (
+    MAX_UNIX_S,
     Episode,
     EpisodeCreate,
     EpisodeCreated,
@@ -39,8 +40,8 @@ async def list_episodes(
     who: PrincipalDep,
     state: Literal["open", "closed", "abandoned"] | None = None,
     model: str | None = None,
-    created_after: int | None = None,
-    created_before: int | None = None,
+    created_after: Annotated[int | None, Query(ge=0, le=MAX_UNIX_S)] = None,
+    created_before: Annotated[int | None, Query(ge=0, le=MAX_UNIX_S)] = None,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "asc",

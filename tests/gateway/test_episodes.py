@@ -241,6 +241,14 @@ def test_making_an_episode_mints_an_inference_only_key(
         None,
         "permission_denied",
     )
+    chat_id = chat.json()["id"]
+    _refused(
+        episode_key.post(f"chat/completions/{chat_id}/feedback", json={"thumbs": "up"}),
+        403,
+        None,
+        "permission_denied",
+    )
+    _refused(episode_key.get(f"chat/completions/{chat_id}"), 403, None, "permission_denied")
     with pytest.raises(openai.PermissionDeniedError):
         openai.OpenAI(base_url=str(capturing.client.base_url), api_key=key, max_retries=0).files.list()
 
@@ -388,6 +396,8 @@ def test_list_filters_pages_and_states(capturing: Tenant, database: str) -> None
         ({"order": "sideways"}, "order"),
         ({"state": "sleeping"}, "state"),
         ({"created_after": "yesterday"}, "created_after"),
+        ({"created_after": 10**15}, "created_after"),
+        ({"created_before": -1}, "created_before"),
         ({"metadata[" + "k" * 65 + "]": "v"}, "metadata"),
     ]:
         _refused(http.get("episodes", params=params), 400, param, "invalid_value")
