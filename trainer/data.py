@@ -114,7 +114,18 @@ def convert_rows(
     return out
 
 
+def _token_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A supervised row of token ids (a capture export's sample): trained on exactly as given, the loss on
+    the tokens `completion_mask` marks (the ids the model sampled)."""
+    ids, mask = row.get("input_ids"), row.get("completion_mask")
+    if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+        raise ValueError("input_ids and completion_mask must be lists of the same length")
+    return {"input_ids": ids, "labels": [i if m else -100 for i, m in zip(ids, mask, strict=True)]}
+
+
 def _convert(method: str, row: dict[str, Any]) -> dict[str, Any]:
+    if method == "supervised" and "input_ids" in row:
+        return _token_row(row)
     if method == "supervised":
         messages = normalize_messages(row.get("messages"), "messages")
         if not any(m["role"] == "assistant" for m in messages):

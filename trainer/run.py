@@ -173,7 +173,8 @@ def _build_trainer(
             per_device_train_batch_size=hp.batch_size // world_size(),
             per_device_eval_batch_size=hp.batch_size // world_size(),
             max_length=hp.max_length,
-            assistant_only_loss=True,
+            # Rows of token ids (a capture export's) carry their own labels: the ids the model sampled.
+            assistant_only_loss="input_ids" not in train_ds.column_names,
         )
         return SFTTrainer(
             model=model,
@@ -289,6 +290,19 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
             session.close()
 
 
+def _check_token_ids(dataset: Any, vocab_size: int) -> None:
+    """Rows of token ids (a capture export's) hold ids of this model's vocabulary, else the file is wrong."""
+    if "input_ids" not in dataset.column_names:
+        return
+    for n, ids in enumerate(dataset["input_ids"], start=1):
+        if ids and max(ids) >= vocab_size:
+            raise TrainerError(
+                "invalid_training_file",
+                f"example {n}: token id {max(ids)} is outside this model's vocabulary of {vocab_size} "
+                "(were the ids captured from another base model?)",
+            )
+
+
 def _train(
     spec: TrainerSpec,
     events: EventWriter,
@@ -327,6 +341,7 @@ def _train(
         raise TrainerError("invalid_model", f"cannot load base_model {spec.base_model}: {exc}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _check_token_ids(train_ds, model.config.vocab_size)
     if spec.method == "reinforcement":
         tokenizer.padding_side = "left"
     n_params = sum(p.numel() for p in model.parameters())

@@ -190,3 +190,38 @@ def stored_messages(row: CapturedRow) -> list[dict[str, Any]]:
 
 def deleted(completion_id: str) -> dict[str, Any]:
     return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+
+
+# ---- export ----------------------------------------------------------------------------------------------
+MAX_EXPORT_EPISODES = 10_000
+
+
+class ExportRequest(OpenAIBaseModel):
+    """`POST /v1/episodes/export`: which episodes, which of their samples, and in which form
+    (`gateway.capture.export`)."""
+
+    format: Literal["jsonl", "tinker"] = "jsonl"
+    """`jsonl`: samples (token ids, loss mask, logprobs, rewards); `tinker`: Tinker `Datum`s."""
+    episode_ids: list[str] | None = Field(default=None, max_length=1000)
+    metadata: dict[str, str] | None = None
+    state: Literal["open", "closed", "abandoned"] | None = None
+    model: str | None = None
+    created_after: int | None = None
+    created_before: int | None = None
+    served_version: str | None = None
+    """Only samples every call of which this model version served."""
+    reward: str | None = Field(default=None, min_length=1, max_length=64)
+    """The episode-level reward that is each sample's `reward` (the latest of any name when none)."""
+    min_reward: float | None = None
+    """Only samples whose reward is at least this."""
+    best_of_group: bool = False
+    """Only the best-rewarded samples of each group."""
+    thumbs: Literal["up", "down"] | None = None
+    """Only samples with that thumbs feedback on one of their calls (and none the other way)."""
+    group_by: str | None = Field(default=None, min_length=1, max_length=64)
+    """The episode metadata key whose value groups samples, for advantages and `best_of_group`."""
+    limit: int = Field(default=1000, ge=1, le=MAX_EXPORT_EPISODES)
+    """At most this many episodes, oldest first."""
+    purpose: Literal["fine-tune"] | None = None
+    """`fine-tune`: store the JSONL samples as a file of that purpose (a training file of token rows)
+    and answer the file."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -165,6 +166,35 @@ async def upload(
                 expires_at=expires_at,
             )
             blobs.commit(temp, key)  # inside the transaction: a failed commit rolls the row back
+        return FileObject.from_row(row)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+async def store_made(
+    pool: asyncpg.Pool, blobs: BlobStore, *, org_id: str, filename: str, purpose: str, data: bytes, lines: int
+) -> FileObject:
+    """Store a file the gateway made for the organisation (such as captured episodes exported as training
+    rows), as an upload is stored."""
+    temp = blobs.new_temp()
+    try:
+        await anyio.to_thread.run_sync(temp.write_bytes, data)
+        file_id = new_id("file-")
+        key = blob_key(org_id, file_id)
+        async with pool.acquire() as conn, conn.transaction():
+            row = await store.insert(
+                conn,
+                file_id=file_id,
+                org_id=org_id,
+                filename=filename,
+                purpose=purpose,
+                size=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                blob_key=key,
+                line_count=lines,
+                expires_at=None,
+            )
+            blobs.commit(temp, key)
         return FileObject.from_row(row)
     finally:
         temp.unlink(missing_ok=True)

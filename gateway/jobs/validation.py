@@ -188,8 +188,23 @@ def _check_messages(messages: Any, line: int, where: str) -> list[dict[str, Any]
     return messages
 
 
+def _check_token_row(row: dict[str, Any], line: int) -> int:
+    """A supervised row of token ids (`input_ids`, `completion_mask`: what a capture export writes); returns
+    a rough size in characters (4 a token)."""
+    ids, mask = row.get("input_ids"), row.get("completion_mask")
+    if not isinstance(ids, list) or len(ids) < 2 or not all(type(i) is int and i >= 0 for i in ids):
+        raise RowError(line, "'input_ids' must be a list of at least 2 token ids (non-negative integers).")
+    if not isinstance(mask, list) or len(mask) != len(ids) or any(m not in (0, 1) for m in mask):
+        raise RowError(line, "'completion_mask' must be a list of 0 and 1, one for each of 'input_ids'.")
+    if not any(mask[1:]):
+        raise RowError(line, "'completion_mask' marks no token to train on (after the first).")
+    return 4 * len(ids)
+
+
 def check_row(kind: str, row: dict[str, Any], line: int) -> int:
     """Check one row against its method's format; returns a rough size in characters (for estimates)."""
+    if kind == "supervised" and "input_ids" in row:
+        return _check_token_row(row, line)
     if kind == "supervised":
         msgs = _check_messages(row.get("messages"), line, "messages")
         if not any(m["role"] == "assistant" for m in msgs):
@@ -220,9 +235,14 @@ class DatasetSummary:
 def check_training_file(path: Path, kind: str, *, max_line_bytes: int) -> DatasetSummary:
     """Every row of a training file against the method's format (run in a thread)."""
     rows = chars = 0
+    tokens = None
     for line, row in read_rows(path, max_line_bytes=max_line_bytes):
         chars += check_row(kind, row, line)
         rows += 1
+        if tokens is None:
+            tokens = "input_ids" in row
+        elif tokens != ("input_ids" in row):
+            raise RowError(line, "rows of token ids ('input_ids') and rows of messages cannot share a file.")
     if rows == 0:
         raise RowError(1, "the file has no examples.")
     return DatasetSummary(rows, chars)
