@@ -673,6 +673,12 @@ def test_thumbs_on_a_completion(capturing: Tenant) -> None:
     down = _post(capturing, f"/chat/completions/{call}/feedback", {"thumbs": "down"})
     assert (down["value"], down["comment"], down["episode_id"]) == (-1.0, None, episode)
     assert _get(capturing, f"/episodes/{episode}")["rewards"] == [up, down]
+    # With an Idempotency-Key header, thumbs count once.
+    once = {"headers": {"Idempotency-Key": f"thumbs-{call}"}}
+    keyed = _post(capturing, f"/chat/completions/{call}/feedback", {"thumbs": "up"}, options=once)
+    assert keyed["idempotency_key"] == f"thumbs-{call}"
+    assert _post(capturing, f"/chat/completions/{call}/feedback", {"thumbs": "down"}, options=once) == keyed
+    assert _get(capturing, f"/episodes/{episode}")["rewards"] == [up, down, keyed]
 
     # A completion outside any episode (store: true) takes thumbs too, in no episode.
     stored = capturing.client.chat.completions.create(**CHAT, store=True)
@@ -688,7 +694,7 @@ def test_thumbs_on_a_completion(capturing: Tenant) -> None:
         ({"thumbs": "up", "comment": "c" * 1025}, "comment"),
     ]:
         _refused(http.post(f"chat/completions/{call}/feedback", json=body), 400, param, "invalid_value")
-    assert _get(capturing, f"/episodes/{episode}")["rewards"] == [up, down]
+    assert _get(capturing, f"/episodes/{episode}")["rewards"] == [up, down, keyed]
 
 
 # ------------------------------------------------------------------------------------------------- tenants
