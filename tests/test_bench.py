@@ -275,3 +275,40 @@ def test_only_a_full_run_rewrites_the_summary_file(tmp_path: Path) -> None:
     quick_full = {**base, "quick": True, "benches": {n: {"skipped": "quick"} for n in BENCHES}}
     assert write_report(quick_full, results_dir=tmp_path).with_suffix(".md").exists()
     assert (ROOT / "BENCHMARKS.md").read_text() == summary  # untouched by either
+
+
+def test_capture_bench_measures_capture_off_and_on_side_by_side(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.capture",
+            "--run",
+            "--quick",
+            "--profile",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c = json.loads((tmp_path / "capture.json").read_text())
+    points = [(p["mode"], p["clients"]) for p in c["points"]]
+    assert points == [("whole", 1), ("whole", 32), ("streamed", 1), ("streamed", 32)]
+    for p in c["points"]:
+        for arm in ("off", "on"):
+            assert p[arm]["requests"] > 0 and p[arm]["failures"] == 0
+            assert _number(p[arm]["p50_ms"]) and _number(p[arm]["p99_ms"])
+            assert _number(p[arm]["cpu_ms_per_request"])
+        assert (
+            _number(p["added_p50_ms"]) and _number(p["added_p99_ms"]) and _number(p["throughput_on_vs_off"])
+        )
+    assert c["captured_records"] == c["capture_answers"] > 0  # every captured call written, none lost
+    assert "| answers | clients | off p50 / p99 ms |" in proc.stdout and "| streamed | 32 |" in proc.stdout
+    prof = c["profile"]  # None only where py-spy may not attach to another process
+    if prof is not None:
+        assert prof["samples"] > 0 and _number(prof["capture_pct"]) and prof["capture_functions"]
+        assert "Profile of the gateway under the capture arm" in proc.stdout
