@@ -1,8 +1,9 @@
 """OpenAI's Responses API (`POST /v1/responses`) on base and fine-tuned models.
 
-A request is translated into a chat completion (`gateway.serving.responses`) and served by the chat path
-itself (`gateway.serving.bridge`): authentication, model resolution, limits, budgets, metering and capture
-are chat's. Errors are OpenAI's envelope, as on every route.
+A request is translated into a chat completion (`gateway.serving.responses`; its answer back by
+`gateway.serving.responses_answer`) and served by the chat path itself (`gateway.serving.bridge`):
+authentication, model resolution, limits, budgets, metering and capture are chat's. Errors are OpenAI's
+envelope, as on every route.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.deps import Resources
 from gateway.serving import bridge, responses
+from gateway.serving.responses_answer import ResponsesTranslator
 from gateway.tenancy.keys import bearer_token
 
 router = APIRouter(prefix="/v1", tags=["responses"])
@@ -30,7 +32,7 @@ class _Responses(Response):
         await res.auth.authenticate(bearer_token(bridge.header(scope, b"authorization")))  # 401 before 400
         request = bridge.parse_json(body)
         chat = responses.to_chat(request)
-        await bridge.serve_as_chat(scope, receive, send, chat, responses.ResponsesTranslator(request))
+        await bridge.serve_as_chat(scope, receive, send, chat, ResponsesTranslator(request))
 
 
 @router.post("/responses", response_model=None)

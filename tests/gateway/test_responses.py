@@ -519,7 +519,8 @@ def test_translation_of_items_and_of_a_mixed_stream() -> None:
     """Without a stack: input items become chat messages (a call joins the assistant turn before it), and a
     stream of text, a call and text again gives three items with ids of their own, then an engine's error
     mid-stream ends it with an `error` event."""
-    from gateway.serving.responses import ResponsesTranslator, to_chat
+    from gateway.serving.responses import to_chat
+    from gateway.serving.responses_answer import ResponsesTranslator
 
     chat = to_chat(
         {
