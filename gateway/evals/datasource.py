@@ -17,6 +17,7 @@ from typing import Any
 from envsdk.graders import enclosed, render_template
 from gateway import wire
 from gateway.errors import InvalidRequest
+from gateway.evals.stored_source import check_nothing_sampled, check_stored_source, stored_config
 from gateway.files.validation import iter_lines
 from gateway.jobs.validation import check_grader
 
@@ -48,11 +49,15 @@ _REFERENCE_PART = re.compile(r"\.([A-Za-z0-9_\-]+)|\[\s*(-?\d+)\s*\]")
 
 
 def check_data_source_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The `custom` config as the eval shows it: `{"type": "custom", "schema": {item, sample?}}`."""
+    """The config as the eval shows it: `{"type": "custom", "schema": {item, sample?}}`, or
+    `{"type": "stored_completions", "metadata", "schema": {item, sample}}` (the organisation's stored
+    completions whose metadata holds every pair of `metadata`, `gateway.evals.stored`)."""
     kind = config.get("type")
+    if kind == "stored_completions":
+        return stored_config(config, SAMPLE_SCHEMA)
     if kind != "custom":
         raise InvalidRequest(
-            f"data_source_config.type {kind!r} is not supported; use 'custom' (logs and stored completions "
+            f"data_source_config.type {kind!r} is not supported; use 'custom' or 'stored_completions' (logs "
             "are not kept by this gateway).",
             param="data_source_config.type",
             code="unsupported_data_source",
@@ -133,10 +138,14 @@ def pass_threshold(criterion: dict[str, Any]) -> float:
 
 @dataclass
 class Row:
-    """One data source item, and the sample it carries (jsonl runs) or None (sampled by the run)."""
+    """One data source item, and the sample it carries (jsonl runs, stored completions) or None (sampled by
+    the run)."""
 
     item: dict[str, Any]
     sample: dict[str, Any] | None = None
+    """What graders read as `{{ sample.* }}` (a jsonl item's `sample` as given)."""
+    record: dict[str, Any] | None = None
+    """The output item's `sample` made already (a stored completion's: `gateway.evals.samples`)."""
 
 
 @dataclass
@@ -146,8 +155,10 @@ class RunSource:
     type: str
     """`completions` or `jsonl`."""
     source: dict[str, Any]
-    """`{"type": "file_id", "id"}` or `{"type": "file_content", "content": [...]}`."""
+    """`{"type": "file_id", "id"}`, `{"type": "file_content", "content": [...]}` or a `stored_completions`
+    source with every filter (`gateway.evals.stored_source`)."""
     model: str = ""
+    """The model sampled; empty for stored completions graded as they were answered."""
     input_messages: dict[str, Any] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
     """The chat parameters sent with every item."""
@@ -155,6 +166,11 @@ class RunSource:
     @property
     def file_id(self) -> str | None:
         return self.source["id"] if self.source["type"] == "file_id" else None
+
+    @property
+    def stored(self) -> bool:
+        """Whether the items are the organisation's stored completions."""
+        return bool(self.source["type"] == "stored_completions")
 
 
 def _unsupported(what: str, value: Any, param: str, supported: str) -> InvalidRequest:
@@ -164,7 +180,8 @@ def _unsupported(what: str, value: Any, param: str, supported: str) -> InvalidRe
 
 
 def check_run_source(ds: dict[str, Any]) -> RunSource:
-    """The data source of a run create, checked field by field (its items are checked by `check_rows`)."""
+    """The data source of a run create, checked field by field (its items are checked by `check_rows`, or
+    for stored completions by the service as it selects them)."""
     kind = ds.get("type")
     if kind not in ("completions", "jsonl"):
         raise _unsupported("data_source.type", kind, "data_source.type", "'completions' or 'jsonl'")
@@ -182,17 +199,22 @@ def check_run_source(ds: dict[str, Any]) -> RunSource:
                 param="data_source.source.content",
             )
         source = {"type": "file_content", "content": source["content"]}
+    elif source.get("type") == "stored_completions" and kind == "completions":
+        source = check_stored_source(source)
     else:
+        supported = "'file_id' or 'file_content'" + (
+            " or 'stored_completions'" if kind == "completions" else ""
+        )
         raise _unsupported(
-            "data_source.source.type",
-            source.get("type"),
-            "data_source.source.type",
-            "'file_id' or 'file_content'",
+            "data_source.source.type", source.get("type"), "data_source.source.type", supported
         )
     run = RunSource(type=kind, source=source)
     if kind == "jsonl":
         return run
     model = ds.get("model")
+    if run.stored and model is None:  # the stored answers themselves are graded
+        check_nothing_sampled(ds)
+        return run
     if not isinstance(model, str) or not model:
         raise InvalidRequest("data_source.model must name the model to sample.", param="data_source.model")
     run.model = model

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from gateway.evals.rows import EvalRow, ItemRow, RunRow
+from gateway.evals.stored_source import STORED_IDS
 from gateway.protocol import OpenAIBaseModel
 from gateway.timeutil import ts
 
@@ -25,7 +26,8 @@ class EvalCreate(OpenAIBaseModel):
     """`POST /v1/evals`."""
 
     data_source_config: dict[str, Any]
-    """`{"type": "custom", "item_schema": {...}, "include_sample_schema": bool}`."""
+    """`{"type": "custom", "item_schema": {...}, "include_sample_schema": bool}`, or `{"type":
+    "stored_completions", "metadata": {...}}` (`gateway.evals.stored`)."""
     testing_criteria: list[dict[str, Any]]
     """Graders (`envsdk.graders`), each with an optional `pass_threshold`."""
     name: str | None = None
@@ -43,7 +45,8 @@ class RunCreate(OpenAIBaseModel):
     """`POST /v1/evals/{eval_id}/runs`."""
 
     data_source: dict[str, Any]
-    """`completions` (sample a model over the items) or `jsonl` (items that carry their own sample)."""
+    """`completions` (sample a model over the items, or grade stored completions as they were answered) or
+    `jsonl` (items that carry their own sample)."""
     name: str | None = None
     metadata: dict[str, Any] | None = None
 
@@ -93,6 +96,7 @@ class EvalRun(OpenAIBaseModel):
     status: str
     metadata: dict[str, Any] | None = None
     data_source: dict[str, Any]
+    """As created (every filter of a `stored_completions` source shown, null where not given)."""
     error: RunError | None = None
     result_counts: dict[str, int]
     """`total`, `errored`, `failed`, `passed` (so far, while the run is in progress)."""
@@ -115,7 +119,7 @@ class EvalRun(OpenAIBaseModel):
             model=row.model,
             status=row.status,
             metadata=row.metadata,
-            data_source=row.data_source,
+            data_source={k: v for k, v in row.data_source.items() if k != STORED_IDS},
             error=RunError(**row.error) if row.error else None,
             result_counts=row.result_counts,
             per_testing_criteria_results=row.per_testing_criteria_results,

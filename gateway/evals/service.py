@@ -16,7 +16,7 @@ import anyio
 
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest, not_found
-from gateway.evals import store
+from gateway.evals import store, stored
 from gateway.evals.datasource import (
     FILE_PURPOSES,
     RunSource,
@@ -25,6 +25,8 @@ from gateway.evals.datasource import (
     check_run_source,
     check_testing_criteria,
     iter_rows_of_file,
+    render_messages,
+    required_properties,
     rows_of_content,
 )
 from gateway.evals.protocol import (
@@ -38,6 +40,7 @@ from gateway.evals.protocol import (
     RunCreate,
 )
 from gateway.evals.rows import EvalRow, RunRow
+from gateway.evals.stored_source import MAX_STORED_ITEMS, STORED_IDS
 from gateway.files import store as files_store
 from gateway.graders.checks import check_grader
 from gateway.jobs.validation import check_metadata
@@ -132,17 +135,66 @@ async def _check_items(res: Resources, who: Principal, run: RunSource, item_sche
     )
 
 
+async def _select_stored(res: Resources, who: Principal, run: RunSource, ev: EvalRow) -> list[str]:
+    """The ids of the stored completions a run grades (the caller's organisation's only), its items checked
+    against the eval's item schema and, where the run samples anew, its input messages."""
+    source = run.source
+    config = ev.data_source_config
+    ids = await stored.select_ids(
+        res.pool,
+        org_id=who.organization_id,
+        eval_metadata=config.get("metadata") or {} if config["type"] == "stored_completions" else {},
+        run_metadata=source["metadata"] or {},
+        model=source["model"],
+        created_after=source["created_after"],
+        created_before=source["created_before"],
+        limit=source["limit"] or MAX_STORED_ITEMS + 1,  # one more than a run takes: too many to grade
+    )
+    if len(ids) > MAX_STORED_ITEMS:
+        raise InvalidRequest(
+            f"More than {MAX_STORED_ITEMS} stored completions match; narrow the filters or set a limit.",
+            param="data_source.source.limit",
+        )
+    if not ids:
+        raise InvalidRequest(
+            "No stored completions of this organisation match the data source's filters (and the eval's "
+            "metadata).",
+            param="data_source.source",
+        )
+    missing = [
+        k for k in required_properties(config["schema"]["properties"]["item"]) if k not in stored.ITEM_KEYS
+    ]
+    if missing:
+        raise InvalidRequest(
+            f"The items of stored completions lack the properties the eval's item_schema requires: "
+            f"{', '.join(missing)}.",
+            param="data_source.source",
+            code="invalid_item",
+        )
+    if run.input_messages is not None:
+        for start in range(0, len(ids), stored.READ_CHUNK):
+            rows = await stored.rows_by_ids(
+                res.pool, org_id=who.organization_id, ids=ids[start : start + stored.READ_CHUNK]
+            )
+            for offset, row in enumerate(rows):
+                render_messages(run.input_messages, row.item, index=start + offset)
+    return ids
+
+
 async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCreate) -> EvalRun:
     ev = await _eval_row(res, who, eval_id)
     check_metadata(body.metadata)
     run = check_run_source(body.data_source)
-    await _check_items(res, who, run, ev.data_source_config["schema"]["properties"]["item"])
     data_source: dict[str, Any] = {"type": run.type, "source": run.source}
+    if run.stored:
+        data_source[STORED_IDS] = await _select_stored(res, who, run, ev)
+    else:
+        await _check_items(res, who, run, ev.data_source_config["schema"]["properties"]["item"])
     if run.type == "completions":
         data_source |= {
-            "model": run.model,
+            "model": run.model or None,
             "input_messages": run.input_messages,
-            "sampling_params": run.sampling,
+            "sampling_params": run.sampling if run.model else None,
         }
     row = await store.insert_run(
         res.pool,
@@ -150,7 +202,7 @@ async def create_run(res: Resources, who: Principal, eval_id: str, body: RunCrea
         org_id=who.organization_id,
         api_key_id=who.api_key_id,
         name=body.name or run.model or run.type,
-        model=run.model,
+        model=run.model or run.source.get("model") or "",
         metadata=body.metadata,
         data_source=data_source,
         testing_criteria=ev.testing_criteria,

@@ -1,5 +1,6 @@
 """The items of an eval run it still lacks, read from the run's file a few at a time as the run's lanes take
-them (`PendingItems`): a worker never holds a file whole, whatever its size."""
+them (`PendingItems`): a worker never holds a file whole, whatever its size. A run over stored completions
+reads them by id, a few at a time, likewise (`StoredItems`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections import deque
 from collections.abc import Collection, Iterator
 
 from gateway.errors import InvalidRequest
+from gateway.evals import stored
 from gateway.evals.datasource import Row, iter_rows_of_file, rows_of_content
 from gateway.evals.rows import RunRow
+from gateway.evals.stored_source import STORED_IDS
 from gateway.files import store as files_store
 from gateway.worker.context import JobContext
 
@@ -49,7 +52,9 @@ class PendingItems:
         """The run's pending items, with a first step read (a file that cannot be opened fails here, not in
         a lane); `InvalidRequest` when the run's file was deleted. `done`: the indexes the run recorded."""
         source = ctx.row.data_source["source"]
-        if source["type"] == "file_content":  # in the run's row already, checked at create
+        if source["type"] == "stored_completions":  # the ids its create selected, read by id a few at a time
+            items: PendingItems = StoredItems(ctx, ctx.row.data_source[STORED_IDS], done=done)
+        elif source["type"] == "file_content":  # in the run's row already, checked at create
             items = cls(iter(rows_of_content(source["content"])), threaded=False, done=done)
         else:
             file = await files_store.get(ctx.pool, org_id=ctx.org_id, file_id=source["id"])
@@ -104,6 +109,30 @@ class PendingItems:
             # then closes when that step ends and the reader is collected.
             with contextlib.suppress(ValueError):
                 close()
+
+
+class StoredItems(PendingItems):
+    """The pending items of a run over stored completions: its ids read `ITEMS_READ_AHEAD` at a time from
+    the run's organisation's stored completions (`gateway.evals.stored.rows_by_ids`)."""
+
+    def __init__(self, ctx: JobContext[RunRow], ids: list[str], *, done: Collection[int] = ()) -> None:
+        super().__init__(iter(()), threaded=False, done=done)
+        self._ctx = ctx
+        self._ids = ids
+
+    async def _step(self) -> None:
+        indexes = [
+            i
+            for i in range(self._read, min(self._read + ITEMS_READ_AHEAD, len(self._ids)))
+            if i not in self._done
+        ]
+        rows = await stored.rows_by_ids(
+            self._ctx.pool, org_id=self._ctx.org_id, ids=[self._ids[i] for i in indexes]
+        )
+        self._ahead.extend(zip(indexes, rows, strict=True))
+        self._read = min(self._read + ITEMS_READ_AHEAD, len(self._ids))
+        if self._read >= len(self._ids):
+            self._ended = True
 
 
 def _next_rows(rows: Iterator[Row], count: int) -> tuple[list[Row], InvalidRequest | None]:

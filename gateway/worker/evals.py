@@ -39,6 +39,7 @@ from gateway.evals import store
 from gateway.evals.datasource import Row, render_messages
 from gateway.evals.grading import Summary, add_usage, grade_item, item_status
 from gateway.evals.rows import RunRow
+from gateway.evals.samples import sample_of
 from gateway.tenancy import scoped
 from gateway.work import lease
 from gateway.worker.context import JobContext
@@ -200,10 +201,12 @@ class EvalRunExecution:
         sampling: dict[str, Any] = self.source.get("sampling_params") or {}
         usage: dict[str, dict[str, int]] = {}
         results: list[dict[str, Any]] = []
-        if self.source["type"] == "jsonl":
+        if row.record is not None and not self.source.get("model"):  # a stored answer, graded as it is
+            sample, namespace = row.record, row.sample or {}
+        elif self.source["type"] == "jsonl":
             given = row.sample or {}
             text = str(given.get("output_text", ""))
-            sample: dict[str, Any] = {
+            sample = {
                 "input": [],
                 "output": [{"role": "assistant", "content": text}],
                 "finish_reason": given.get("finish_reason", "stop"),
@@ -215,10 +218,16 @@ class EvalRunExecution:
             }
             namespace = {**make_sample(text), **given}
         else:
-            messages = render_messages(self.source["input_messages"], row.item, index=index)
-            body = {"model": self.ctx.row.model, "messages": messages, **sampling}
-            reply, error = await self._sample(http, body)
-            sample, namespace = self._sample_record(messages, sampling, reply, error)
+            reply: dict[str, Any] | None = None
+            error: dict[str, str] | None
+            try:
+                messages = render_messages(self.source["input_messages"], row.item, index=index)
+            except InvalidRequest as exc:  # a stored completion deleted, or its metadata changed, since
+                messages, error = [], {"code": exc.code or "invalid_item", "message": exc.message}
+            else:
+                body = {"model": self.ctx.row.model, "messages": messages, **sampling}
+                reply, error = await self._sample(http, body)
+            sample, namespace = sample_of(messages, sampling, reply, error, model=self.ctx.row.model)
             if reply is not None:
                 add_usage(usage, self.ctx.row.model, reply.get("usage") or {}, invocations=1)
         if sample["error"] is None:
@@ -255,43 +264,6 @@ class EvalRunExecution:
                 return
             self.summary.add(status, results, usage, sample["error"])
             await self._save_summary()
-
-    def _sample_record(
-        self,
-        messages: list[dict[str, Any]],
-        sampling: dict[str, Any],
-        reply: dict[str, Any] | None,
-        error: dict[str, str] | None,
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """OpenAI's `sample` of an output item, and the namespace graders read as `{{ sample.* }}`."""
-        choice = ((reply or {}).get("choices") or [{}])[0]
-        message = choice.get("message") or {}
-        text = message.get("content") or ""
-        tools = [
-            {"type": "function", "function": call.get("function", {})}
-            for call in message.get("tool_calls") or []
-        ]
-        usage = (reply or {}).get("usage") or {}
-        record = {
-            "input": [{"role": m["role"], "content": m.get("content")} for m in messages],
-            "output": [{"role": "assistant", "content": text}] if reply is not None else [],
-            "finish_reason": choice.get("finish_reason") or "",
-            "model": (reply or {}).get("model", self.ctx.row.model),
-            "usage": {
-                "prompt_tokens": int(usage.get("prompt_tokens") or 0),
-                "completion_tokens": int(usage.get("completion_tokens") or 0),
-                "total_tokens": int(usage.get("total_tokens") or 0),
-                "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-            },
-            "error": error,
-            "temperature": sampling.get("temperature", 1.0),
-            "top_p": sampling.get("top_p", 1.0),
-            "max_completion_tokens": sampling.get("max_completion_tokens"),
-            "seed": sampling.get("seed"),
-        }
-        namespace = make_sample(text, tools or None)
-        namespace["model"] = record["model"]
-        return record, namespace
 
     async def _save_summary(self, conn: asyncpg.Connection | None = None) -> None:
         await store.update_summary(
