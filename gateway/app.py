@@ -108,7 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
             offload=Offload(settings),
             started_at=int(time.time()),
             notices=Notices(settings.database_url, (tinker_store.ANSWER_CHANNEL,)),
-            capture=Capturer(),
+            capture=Capturer(settings),
         )
         res.usage.start(pool)
         await res.capture.start(pool)

@@ -149,6 +149,7 @@ def stored_completion(row: CapturedRow, *, detail: bool) -> dict[str, Any]:
             "previous_id": row.previous_id,
             "segment_break": row.segment_break,
             "stored_bytes": row.stored_bytes,
+            "cost_usd": row.cost_usd,
             "finish_reason": row.finish_reason,
             "latency_ms": row.latency_ms,
             "status": row.status,

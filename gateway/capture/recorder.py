@@ -32,7 +32,9 @@ from gateway.capture.writer import CaptureWriter
 from gateway.errors import Conflict, InvalidRequest
 from gateway.serving.engines import Target
 from gateway.serving.protocol import ProxyRequest
+from gateway.settings import Settings
 from gateway.tenancy.keys import Principal
+from gateway.usage.pricing import completion_cost
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +138,7 @@ class Capture:
     episode_id: str | None
     parent_episode_id: str | None
     retention_days: int | None
+    settings: Settings
     started: float = field(default_factory=time.time)
     nulls: bool = False
     """The engine writes the token-id fields as null when they are not asked for (vLLM, which then also
@@ -288,6 +291,8 @@ class Capture:
         first = choices[0] if choices and isinstance(choices[0], dict) else {}
         usage = usage or {}
         has_ids = any(ids) or self.prompt_token_ids is not None
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens") or 0)
         self.writer.add(
             CapturedRow(
                 organization_id=self.who.organization_id,
@@ -307,14 +312,17 @@ class Capture:
                 completion_token_ids=ids if has_ids else None,
                 logprobs=logprobs if any(logprobs) else None,
                 finish_reason=first.get("finish_reason"),
-                prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                completion_tokens=int(usage.get("completion_tokens") or 0),
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
                 latency_ms=int((now - self.started) * 1000),
                 status=status,
                 created_at=created,
                 expires_at=created + timedelta(days=self.retention_days)
                 if self.retention_days is not None
                 else None,
+                cost_usd=completion_cost(
+                    self.settings, self.target.base_model, prompt_tokens, completion_tokens
+                ),
             )
         )
 
@@ -322,7 +330,8 @@ class Capture:
 class Capturer:
     """Capture for one gateway: who captures (`policies`) and the writes (`writer`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.policies = CapturePolicies()
         self.writer = CaptureWriter()
         self.closed: set[tuple[str, str]] = set()
@@ -366,6 +375,7 @@ class Capturer:
             episode_id=episode,
             parent_episode_id=parent,
             retention_days=setting.retention_days if setting is not None else DEFAULT_RETENTION_DAYS,
+            settings=self.settings,
         )
 
     async def _check_open(self, org_id: str, episode_id: str) -> None:

@@ -56,6 +56,8 @@ class CapturedRow:
     """Why the prompt extends no earlier turn of the episode, where it does not."""
     stored_bytes: int = 0
     """The bytes the record stores (its JSON fields, as written)."""
+    cost_usd: float | None = None
+    """What the call cost the organisation (its tokens at the price table's prices)."""
 
 
 CAPTURED_FIELDS = tuple(f.name for f in fields(CapturedRow))
@@ -77,9 +79,9 @@ INSERT INTO captured_completions (
     organization_id, id, api_key_id, episode_id, parent_episode_id, stored, streamed, model, base_model,
     served_version, request, response, metadata, prompt_token_ids, completion_token_ids, logprobs,
     finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at, previous_id,
-    prompt_prefix_tokens, messages_prefix, segment_break, stored_bytes
+    prompt_prefix_tokens, messages_prefix, segment_break, stored_bytes, cost_usd
 ) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21,
-          $22, $23, $24, $25, $26, $27, $28)
+          $22, $23, $24, $25, $26, $27, $28, $29)
 ON CONFLICT (organization_id, id) DO NOTHING
 """
 """A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it."""

@@ -59,6 +59,7 @@ CAPTURE_KEYS = {
     "previous_id",
     "segment_break",
     "stored_bytes",
+    "cost_usd",
     "finish_reason",
     "latency_ms",
     "status",
