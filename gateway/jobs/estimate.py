@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 def _file_ids(body: JobCreate) -> tuple[str, str | None]:
-    return body.training_file, body.validation_file
+    return body.training_file or "", body.validation_file
 
 
 async def _pilot(
@@ -54,6 +54,7 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
     """The estimate of a create with this body (see the module)."""
     who = caller.principal
     org = who.organization_id
+    body = await service.from_capture(res, who, body)
     method, files, training = await service.validate(res, who, body)
     try:
         summaries = [

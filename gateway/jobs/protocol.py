@@ -24,13 +24,17 @@ class JobCreate(OpenAIBaseModel):
     """`POST /v1/fine_tuning/jobs`. Field checks beyond types live in `jobs.validation`."""
 
     model: str
-    training_file: str
+    training_file: str | None = None
+    """Required unless `capture` gives the training data."""
     validation_file: str | None = None
     suffix: str | None = None
     seed: int | None = None
     metadata: dict[str, Any] | None = None
     hyperparameters: dict[str, Any] | None = None
     """Legacy: the hyperparameters of a supervised job, or of `method` when it gives none."""
+    capture: dict[str, Any] | None = None
+    """tunegate: train on captured episodes instead of a file: the selection of `POST /v1/episodes/export`
+    (`gateway.capture.protocol.ExportRequest`), exported as a training file when the job is made."""
     method: dict[str, Any] | None = None
     """As the client wrote it; `job_method` is it typed."""
     integrations: list[dict[str, Any]] | None = None

@@ -193,6 +193,11 @@ def test_turns_that_extend_the_sampled_ids_export_as_one_sample_with_every_turn_
     # What the stored-completions API shows is whole: the last turn's prompt ids and every message.
     stored = _get(capturing, f"chat/completions/{last['id']}").json()["capture"]
     assert stored["prompt_token_ids"] == last["prompt_ids"] and stored["previous_id"] == seen[1]["id"]
+    from gateway.usage.pricing import completion_cost
+
+    usage = calls[-1]["usage"]
+    price = completion_cost(gw.settings, BASE, usage["prompt_tokens"], usage["completion_tokens"])
+    assert stored["cost_usd"] == pytest.approx(price) and price > 0
     messages = capturing.client.chat.completions.messages.list(last["id"], limit=100).data
     assert [m.role for m in messages][:2] == ["system", "user"] and len(messages) >= 6
     # The trainer's log-probabilities of the sampled tokens (fp32, the base model) match the sampler's.
@@ -336,3 +341,46 @@ def test_the_trainer_trains_on_the_ids_the_mask_marks() -> None:
 
     [row] = convert_rows("supervised", [{"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1], "x": 1}])
     assert row == {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}
+
+
+def test_a_job_takes_its_data_from_captured_episodes(capturing: Tenant) -> None:
+    tag = secrets.token_hex(3)
+    for i in range(2):
+        episode = capturing.client.post(
+            "/episodes", body={"id": f"job-{tag}-{i}", "metadata": {"run": tag}}, cast_to=object
+        )
+        agent = capturing.client.with_options(api_key=episode["key"])
+        agent.chat.completions.create(
+            model=BASE, messages=[{"role": "user", "content": "2 + 3?"}], max_tokens=4
+        )
+        capturing.client.post(
+            f"/episodes/{episode['id']}/rewards", body={"name": "ok", "value": float(i)}, cast_to=object
+        )
+    _export(capturing, f"job-{tag}-1", 1)
+    _export(capturing, f"job-{tag}-0", 1)
+    selection = {"metadata": {"run": tag}, "reward": "ok", "min_reward": 1.0}
+    job: Any = capturing.client.post(
+        "/fine_tuning/jobs",
+        body={"model": BASE, "method": {"type": "supervised"}, "capture": selection},
+        cast_to=object,
+    )
+    assert job["status"] in ("validating_files", "queued") and job["training_file"].startswith("file-")
+    made = capturing.client.files.retrieve(job["training_file"])
+    assert made.purpose == "fine-tune" and made.filename == "captured-episodes.jsonl"
+    [row] = [json.loads(x) for x in capturing.client.files.content(made.id).text.splitlines()]
+    assert row["episode_id"] == f"job-{tag}-1" and row["reward"] == 1.0
+    capturing.client.fine_tuning.jobs.cancel(job["id"])
+    for body, param in [
+        ({"model": BASE}, "training_file"),
+        ({"model": BASE, "training_file": made.id, "capture": selection}, "capture"),
+        ({"model": BASE, "method": {"type": "dpo"}, "capture": selection}, "capture"),
+        ({"model": BASE, "capture": {**selection, "limit": 0}}, "capture.limit"),
+        ({"model": BASE, "capture": {"metadata": {"run": "nothing-" + tag}}}, "purpose"),
+    ]:
+        resp = httpx.post(
+            f"{capturing.client.base_url}fine_tuning/jobs",
+            json=body,
+            headers={"Authorization": f"Bearer {capturing.key}"},
+            timeout=60,
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
