@@ -86,10 +86,15 @@ def used_hyperparameters(t: Tenant, job_id: str) -> dict[str, Any]:
     return event.data
 
 
+def readme_block(section: str) -> str:
+    """The first python block of a README section."""
+    readme = (ROOT / "README.md").read_text()
+    return readme.split(section, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def readme_example(t: Tenant, tmp_path: Path) -> Any:
     """The README's RL example, run as written (with this tenant's client and the archive in `tmp_path`)."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## With the `openai` SDK", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    block = readme_block("## With the `openai` SDK")
     setup = 'client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="sk-tg-...")\n'
     assert setup in block and '"arithmetic.tar.gz"' in block
     code = block.replace(setup, "").replace('"arithmetic.tar.gz"', repr(str(tmp_path / "arithmetic.tar.gz")))
@@ -166,3 +171,27 @@ def test_dpo_with_defaults_raises_heldout_preference_accuracy(lab: Tenant) -> No
     before, after = points[0]["full_valid_preference_accuracy"], points[-1]["full_valid_preference_accuracy"]
     assert after >= before + 0.25 and after >= 0.8, (before, after)
     assert heldout_exact(lab, job.fine_tuned_model) > heldout_exact(lab, "tiny-chat")
+
+
+def test_supervised_on_captured_episodes_raises_heldout_exact(gw_admin: Admin) -> None:
+    """The README's capture example as written: an agent asks each of the 70 tasks 4 times (sampled, each
+    attempt an episode of its own), the arithmetic environment's scorer posts rewards afterwards, and a
+    supervised job with default hyperparameters trains on the exact token ids of each task's best answers.
+
+    Measured: 70 best answers (of 280), held-out exact 43% -> 83%; the gate is +20 points.
+    """
+    t = gw_admin.tenant("learning-capture")
+    resp = gw_admin.http.post(f"/v1/admin/organizations/{t.org_id}/capture", json={"enabled": True})
+    assert resp.status_code == 200, resp.text
+    scope: dict[str, Any] = {"client": t.client}
+    with contextlib.chdir(ROOT):
+        exec(compile(readme_block("## Learn from your agents' traffic"), "README.md", "exec"), scope)
+    best = scope["best"]
+    assert best["purpose"] == "fine-tune" and 0 < best["bytes"]
+    rows = [json.loads(line) for line in t.client.files.content(best["id"]).text.splitlines()]
+    assert rows and all(r["reward"] == 1.0 and sum(r["completion_mask"]) > 0 for r in rows)
+    assert {r["metadata"]["task_id"] for r in rows} <= {str(i) for i in range(len(TRAIN))}
+    job = wait_for(t, scope["job"].id, ("succeeded", "failed", "cancelled"), timeout=900)
+    assert job.status == "succeeded", job.error
+    base, tuned = heldout_exact(t, "tiny-chat"), heldout_exact(t, job.fine_tuned_model)
+    assert tuned >= base + 0.20, (base, tuned)
