@@ -17,7 +17,9 @@ run's status, so a cancel (or a delete) stops the run between items. Items are w
 lacks.
 
 A run's items file is read as its items are taken (`gateway.worker.eval_items`), never held whole: the
-worker holds the items read ahead and those in flight, whatever the size of the file.
+worker holds the items read ahead and those in flight, whatever the size of the file. A run over stored
+completions reads them by id the same way (the ids its create selected, of the run's organisation only), and
+grades their stored answers as they are unless the run names a model to sample.
 """
 
 from __future__ import annotations
