@@ -34,6 +34,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dashboard": ("bench.dashboard", "Dashboard: a job with 10,000 steps of metrics opens"),
     "tinker": ("bench.tinker_api", "Tinker API: a training step and sampling, through the API vs in process"),
     "tinker_wire": ("bench.tinker_wire", "Tinker wire: gateway CPU to refuse a malformed forward_backward"),
+    "episode_bytes": (
+        "bench.episode_bytes",
+        "Capture: stored bytes of a 32-turn episode vs its final sequence",
+    ),
     "training": (
         "bench.training",
         "Training overhead: tunegate vs a plain TRL script, success to first token",

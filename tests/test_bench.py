@@ -247,6 +247,19 @@ def test_dashboard_bench_opens_a_long_job(tmp_path: Path) -> None:
     assert "plain job retrieve" in (tmp_path / "B.md").read_text()
 
 
+def test_episode_bytes_bench_reads_back_a_captured_episode(tmp_path: Path) -> None:
+    e = run_quick("episode_bytes", tmp_path)
+    assert "error" not in e, e.get("traceback")
+    assert e["turns"] == 8 and e["final_tokens"] > 0
+    # Each token id is stored once: only the ids of a turn the next one did not extend are not in the final
+    # sequence.
+    assert e["token_ids_stored"] >= e["final_tokens"]
+    assert (e["token_ids_stored"] == e["final_tokens"]) == (e["breaks"] == 0)
+    assert e["stored_bytes"] == sum(e["stored_by_field"].values())
+    assert _number(e["stored_over_final"]) and e["whole_over_final"] > e["stored_over_final"]
+    assert "every call stored whole" in (tmp_path / "B.md").read_text()
+
+
 def test_stalls_bench_compares_the_attacked_tenant_with_its_idle_self(tmp_path: Path) -> None:
     s = run_quick("stalls", tmp_path)
     assert "error" not in s, s.get("traceback")

@@ -3,11 +3,13 @@
 A call of an episode extends an earlier turn when its prompt token ids start with that turn's prompt ids
 followed by the ids that turn sampled (choice 0). The record then keeps only the ids after them: the first
 `prompt_prefix_tokens` of its prompt are that turn's sequence, and `previous_id` names the turn. The turn
-extended is the newest of the episode's recent turns that the prompt starts with (an agent that branches
-extends an older one).
+extended is the newest of the episode's recent turns that the prompt starts with.
 
-Where the prompt extends none, nothing is dropped or rendered again: the record keeps its prompt ids whole,
-points at the episode's last turn, and says why as a `segment_break`:
+Where the prompt does not extend the episode's last turn, the record says why as a `segment_break`; when it
+still extends an older turn (an agent that branched, or a last turn whose sampled text the chat template
+tokenized differently when the conversation was rendered again), the break names that turn (`extends`) and
+the record is a delta on it. Where it extends none, nothing is dropped or rendered again: the record keeps
+its prompt ids whole and points at the last turn. The reasons:
 
 - `model_changed`: another base model answered (another tokenizer);
 - `no_token_ids`: this call or the last turn has no token ids (an engine that returned none);
@@ -104,11 +106,16 @@ def link(turns: Sequence[Turn], new: Turn) -> Link:
     prefix = len(previous.sequence or ()) if extended is not None else 0
     kept = len(previous.messages)
     messages_prefix = kept if kept and new.messages[:kept] == previous.messages else 0
+    segment_break = None
+    if extended is not turns[-1]:
+        segment_break = _why(turns[-1], new)
+        if extended is not None:
+            segment_break["extends"] = extended.id
     return Link(
         previous_id=previous.id,
         prompt_prefix_tokens=prefix,
         prompt_delta=new.prompt_ids[prefix:] if new.prompt_ids is not None else None,
-        segment_break=None if extended is not None else _why(turns[-1], new),
+        segment_break=segment_break,
         messages_prefix=messages_prefix,
         messages_delta=new.messages[messages_prefix:],
     )

@@ -110,7 +110,7 @@ def test_a_prompt_that_does_not_extend_the_sampled_ids_is_a_segment_break_kept_w
     assert rebuild(stored)["c2"] == turn_of(rows[1])
 
 
-def test_a_branch_extends_the_newest_turn_its_prompt_starts_with() -> None:
+def test_a_branch_extends_the_newest_turn_its_prompt_starts_with_and_is_a_break() -> None:
     rows = [
         _row("c1", [1, 2], [3], [U1]),
         _row("c2", [1, 2, 3, 4], [5], [U1, A1, U2]),
@@ -122,7 +122,14 @@ def test_a_branch_extends_the_newest_turn_its_prompt_starts_with() -> None:
         3,
         [9],
     )
-    assert stored[2].segment_break is None
+    # It does not extend the last turn: a break, which names the turn it extends.
+    assert stored[2].segment_break == {
+        "reason": "prompt_diverged",
+        "previous_id": "c2",
+        "at_token": 3,
+        "previous_tokens": 5,
+        "extends": "c1",
+    }
     assert rebuild(stored)["c3"] == turn_of(rows[2])
 
 
