@@ -89,7 +89,7 @@ async def _measure(database_url: str, org_id: str, episode: str, turns: int) -> 
     import orjson
 
     final_once = stored_bytes(last) + len(orjson.dumps(earlier_logprobs))
-    fields = ("request", "response", "metadata", "prompt_token_ids")
+    fields: tuple[str, ...] = ("request", "response", "metadata", "prompt_token_ids")
     fields += ("completion_token_ids", "logprobs", "segment_break")
     by_field = {
         name: sum(len(orjson.dumps(getattr(r, name))) for r in records if getattr(r, name) is not None)
