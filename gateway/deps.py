@@ -76,7 +76,7 @@ async def authenticate_person(res: Resources, token: str) -> Principal:
     if who.kind != "user":
         raise PermissionDenied(
             f"This key was minted for the gateway's own work (kind '{who.kind}') and may call only the "
-            "inference routes (/v1/chat/completions, /v1/completions)."
+            "inference routes (/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages)."
         )
     return who
 

@@ -19,7 +19,7 @@ import anyio
 
 from gateway.deps import Caller, Resources
 from gateway.errors import InvalidRequest
-from gateway.jobs import cost, guards, pilot, projection, service
+from gateway.jobs import cost, guards, pilot, projection, service, sources
 from gateway.jobs.protocol import JobCreate, JobEstimate
 from gateway.jobs.validation import RowError
 from trainer.contract import AnyHyperparameters, ReinforcementHyperparameters
@@ -54,7 +54,7 @@ async def estimate(res: Resources, caller: Caller, body: JobCreate) -> JobEstima
     """The estimate of a create with this body (see the module)."""
     who = caller.principal
     org = who.organization_id
-    body = await service.from_capture(res, who, body)
+    body = await sources.with_training_file(res, who, body)
     method, files, training = await service.validate(res, who, body)
     try:
         summaries = [

@@ -11,17 +11,14 @@ from pathlib import Path
 import anyio
 import asyncpg
 import orjson
-from pydantic import ValidationError
 
 from envsdk.graders import model_fields
-from gateway.capture import export_service
-from gateway.capture.protocol import ExportRequest
 from gateway.deps import Resources
-from gateway.errors import Conflict, InvalidRequest, not_found, validation_failure
+from gateway.errors import Conflict, InvalidRequest, not_found
 from gateway.files import store as files_store
 from gateway.files.store import FileRow
 from gateway.graders.checks import check_grader
-from gateway.jobs import cost, guards, projection, store
+from gateway.jobs import cost, guards, projection, sources, store
 from gateway.jobs.method import JobMethod
 from gateway.jobs.protocol import FineTuningJob, JobCheckpoint, JobCreate, JobEvent
 from gateway.jobs.store import JobRow
@@ -77,7 +74,7 @@ async def create(
     replayed = await _replayed(res, who, idempotency_key, request_hash)
     if replayed is not None:
         return replayed
-    body = await from_capture(res, who, body)
+    body = await sources.with_training_file(res, who, body)
     method, files, training = await validate(res, who, body)
     await cost.check_budget(
         res, who.organization_id, who.api_key_id, body.model, training.bytes, cost.given_epochs(method)
@@ -246,34 +243,6 @@ async def _check_devices(res: Resources, body: JobCreate) -> None:
             param=f"{body.hyperparameters_param}.gpus",
             code="too_many_devices",
         )
-
-
-async def from_capture(res: Resources, who: Principal, body: JobCreate) -> JobCreate:
-    """The body with its training file: that given, or the captured episodes its `capture` selects,
-    exported as a training file of token rows (`gateway.capture.export_service`; supervised jobs)."""
-    if body.capture is None:
-        if not body.training_file:
-            raise InvalidRequest("Missing required parameter: 'training_file'.", param="training_file")
-        return body
-    if body.training_file:
-        raise InvalidRequest(
-            "Give either a training_file or capture (the captured episodes to train on), not both.",
-            param="capture",
-        )
-    if body.job_method.type != "supervised":
-        raise InvalidRequest(
-            "Captured episodes train supervised jobs: give method.type 'supervised', or export the "
-            "episodes (POST /v1/episodes/export) and make a file of your own.",
-            param="capture",
-            code="unsupported_method",
-        )
-    try:
-        selection = ExportRequest.model_validate({**body.capture, "format": "jsonl", "purpose": "fine-tune"})
-    except ValidationError as exc:
-        raise validation_failure(exc.errors(), root="capture") from None
-    made = await export_service.many(res, who, selection)
-    assert not isinstance(made, bytes)
-    return body.model_copy(update={"training_file": made.id})
 
 
 async def validate(res: Resources, who: Principal, body: JobCreate) -> tuple[JobMethod, list[Path], FileRow]:

@@ -6,10 +6,12 @@ a key of that organisation, so ownership checks, rate limits, budgets and usage 
 requests exactly as to a client's. (A request that causes model calls of its own, `graders/run` or
 `environments/run`, makes them with the key it came with: `gateway.serving.calls`.) Such a key:
 
-- has a `kind` (`eval`, `job`) and an `expires_at`: its holder renews it while it works (`renew`), so a
-  holder that dies leaves a key that stops working within `ttl_s`;
-- may call the inference routes (`/v1/chat/completions`, `/v1/completions`) and nothing else (files, jobs,
-  evals, models, usage...): `deps.authenticate_person`, behind every other route's key check, refuses it;
+- has a `kind` (`eval`, `job`, or `episode` for an episode of captured traffic: `gateway.capture`) and an
+  `expires_at`: its holder renews it while it works (`renew`), so a holder that dies leaves a key that stops
+  working within `ttl_s`;
+- may call the inference routes (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/messages`)
+  and nothing else (files, jobs, evals, models, usage...): `deps.authenticate_person`, behind every other
+  route's key check, refuses it;
 - is revoked when the work ends (`minted` does it on the way out, also when cancelled), or when a reaper
   takes the work back from a holder that died (`revoke_named`: the work names its key); a gateway that has
   it cached stops accepting it within `auth_cache_ttl_s`.

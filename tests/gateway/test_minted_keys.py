@@ -20,7 +20,7 @@ from gateway.tenancy.keys import Authenticator
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-INFERENCE = ("/v1/chat/completions", "/v1/completions")
+INFERENCE = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 OPEN = ("/healthz", "/readyz", "/metrics", "/api/v1/healthz")
 
 
