@@ -134,6 +134,23 @@ DELETE FROM captured_completions WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM captured_completions WHERE expires_at <= now() LIMIT $1))
 """
 
+# Episodes past their retention go with their rewards; thumbs on a completion outside any episode go with it.
+PURGE_EPISODES = """
+WITH gone AS (
+    DELETE FROM episodes WHERE ctid = ANY(ARRAY(SELECT ctid FROM episodes WHERE expires_at <= now() LIMIT $1))
+    RETURNING organization_id, id)
+DELETE FROM episode_rewards r USING gone
+WHERE r.organization_id = gone.organization_id AND r.episode_id = gone.id
+"""
+PURGE_LOOSE_REWARDS = """
+DELETE FROM episode_rewards WHERE ctid = ANY(ARRAY(
+    SELECT r.ctid FROM episode_rewards r
+    WHERE r.episode_id IS NULL AND NOT EXISTS (
+        SELECT 1 FROM captured_completions c
+        WHERE c.organization_id = r.organization_id AND c.id = r.completion_id)
+    LIMIT $1))
+"""
+
 
 async def set_setting(
     conn: Conn, *, org_id: str, key_id: str, enabled: bool, retention_days: int | None
@@ -211,6 +228,9 @@ async def delete(conn: Conn, *, org_id: str, completion_id: str) -> bool:
 
 
 async def purge_expired(conn: Conn, *, most: int) -> int:
-    """Delete up to `most` records past their retention; how many."""
+    """Delete up to `most` records past their retention, and up to `most` episodes with their rewards (and
+    the thumbs of completions outside episodes that are gone); how many records."""
     status = await conn.execute(PURGE, most)
+    await conn.execute(PURGE_EPISODES, most)
+    await conn.execute(PURGE_LOOSE_REWARDS, most)
     return int(status.split()[-1])

@@ -798,6 +798,37 @@ def test_records_past_retention_are_not_shown(capturing: Tenant, database: str) 
         "completion_id",
         "not_found",
     )
+    # The sweep deletes what is past its retention: the call, then the episode with its rewards.
+    _sql(
+        database,
+        "UPDATE episodes SET expires_at = now() - interval '1 s' WHERE organization_id = $1 AND id = $2",
+        capturing.org_id,
+        episode,
+    )
+
+    async def sweep() -> None:
+        from gateway.capture import store
+        from gateway.db import create_pool
+
+        pool = await create_pool(database, max_size=1)
+        try:
+            await store.purge_expired(pool, most=100_000)
+        finally:
+            await pool.close()
+
+    asyncio.run(sweep())
+    for table, key in (
+        ("episodes", "id"),
+        ("episode_rewards", "episode_id"),
+        ("captured_completions", "episode_id"),
+    ):
+        left = _sql(
+            database,
+            f"SELECT 1 FROM {table} WHERE organization_id = $1 AND {key} = $2",
+            capturing.org_id,
+            episode,
+        )
+        assert left == [], table
 
 
 # ------------------------------------------------------------------------------------------ episode keys
