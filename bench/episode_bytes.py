@@ -58,7 +58,7 @@ def _conversation(client: Any, episode: str, turns: int) -> None:
 async def _measure(database_url: str, org_id: str, episode: str, turns: int) -> dict[str, Any]:
     from gateway.capture import store
     from gateway.capture.sequences import rebuild
-    from gateway.capture.writer import stored_bytes
+    from gateway.capture.store import stored_bytes
     from gateway.db import create_pool
 
     pool = await create_pool(database_url, max_size=1)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
+import orjson
+
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
 
 
@@ -80,11 +82,24 @@ INSERT INTO captured_completions (
     served_version, request, response, metadata, prompt_token_ids, completion_token_ids, logprobs,
     finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at, previous_id,
     prompt_prefix_tokens, messages_prefix, segment_break, stored_bytes, cost_usd
-) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21,
-          $22, $23, $24, $25, $26, $27, $28, $29)
+) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::text::jsonb, $12::text::jsonb,
+          $13::text::jsonb, $14::text::jsonb, $15::text::jsonb, $16::text::jsonb, $17, $18, $19, $20, $21,
+          $22, $23, $24, $25, $26, $27::text::jsonb, $28, $29)
 ON CONFLICT (organization_id, id) DO NOTHING
 """
-"""A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it."""
+"""A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it. The JSON
+columns come encoded (`encoded`): each is serialised once, which also gives the record's `stored_bytes`."""
+JSON_FIELDS = frozenset(
+    (
+        "request",
+        "response",
+        "metadata",
+        "prompt_token_ids",
+        "completion_token_ids",
+        "logprobs",
+        "segment_break",
+    )
+)
 
 # An episode named by a captured call: made by its first call, its last call's end kept.
 UPSERT_EPISODE = """
@@ -171,9 +186,30 @@ async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
     return str(value) if value is not None else None
 
 
+def encoded(row: CapturedRow) -> tuple[Any, ...]:
+    """A record's `INSERT` arguments (`CapturedRow`'s fields in their order), its JSON fields serialised, and
+    its `stored_bytes` their size."""
+    values = []
+    size = 0
+    for name in CAPTURED_FIELDS:
+        value = getattr(row, name)
+        if name in JSON_FIELDS and value is not None:
+            text = orjson.dumps(value)
+            size += len(text)
+            value = text.decode()
+        values.append(value)
+    values[CAPTURED_FIELDS.index("stored_bytes")] = size
+    return tuple(values)
+
+
+def stored_bytes(row: CapturedRow) -> int:
+    """The bytes a record stores: its JSON fields, as written."""
+    return int(encoded(row)[CAPTURED_FIELDS.index("stored_bytes")])
+
+
 async def insert_many(conn: Conn, rows: list[CapturedRow]) -> None:
-    """Write captured calls (`INSERT` takes `CapturedRow`'s fields in their order)."""
-    await conn.executemany(INSERT, [tuple(getattr(r, f) for f in CAPTURED_FIELDS) for r in rows])
+    """Write captured calls."""
+    await conn.executemany(INSERT, [encoded(r) for r in rows])
 
 
 async def upsert_episodes(conn: Conn, episodes: list[tuple[Any, ...]]) -> None:

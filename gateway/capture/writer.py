@@ -18,7 +18,6 @@ from collections import OrderedDict
 from datetime import timedelta
 
 import asyncpg
-import orjson
 
 from gateway.batches import BatchWriter
 from gateway.capture import store
@@ -35,12 +34,6 @@ TURNS_KEPT = 4
 """Whole turns kept per episode: a call extends the newest of them its prompt starts with."""
 EPISODES_KEPT = 512
 """Episodes whose recent turns are kept in memory (the least recently written are let go)."""
-
-
-def stored_bytes(row: CapturedRow) -> int:
-    """The bytes of what a record stores: its JSON fields, as written."""
-    parts = (row.request, row.response, row.metadata, row.prompt_token_ids, row.completion_token_ids)
-    return sum(len(orjson.dumps(p)) for p in (*parts, row.logprobs, row.segment_break) if p is not None)
 
 
 class CaptureWriter(BatchWriter[CapturedRow]):
@@ -86,7 +79,7 @@ class CaptureWriter(BatchWriter[CapturedRow]):
     ) -> CapturedRow:
         """The record as stored: a delta on its episode's turn it extends (`sequences.link`)."""
         if row.episode_id is None:
-            return dataclasses.replace(row, stored_bytes=stored_bytes(row))
+            return row
         key = (row.organization_id, row.episode_id)
         touched.add(key)
         turns = self.turns.pop(key, None)
@@ -98,7 +91,7 @@ class CaptureWriter(BatchWriter[CapturedRow]):
         self.turns[key] = [*turns, whole][-TURNS_KEPT:]
         while len(self.turns) > EPISODES_KEPT:
             self.turns.popitem(last=False)
-        out = dataclasses.replace(
+        return dataclasses.replace(
             row,
             previous_id=placed.previous_id,
             prompt_prefix_tokens=placed.prompt_prefix_tokens,
@@ -109,7 +102,6 @@ class CaptureWriter(BatchWriter[CapturedRow]):
             if "messages" in row.request
             else row.request,
         )
-        return dataclasses.replace(out, stored_bytes=stored_bytes(out))
 
     async def _after_flush(self) -> None:
         """Delete records past their retention, every `PURGE_EVERY_S`."""

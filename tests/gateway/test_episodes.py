@@ -136,7 +136,8 @@ def _call(t: Tenant, episode_id: str, **kw: Any) -> str:
     header = {"X-Episode-Id": episode_id}
     body = {**CHAT, **kw}
     if body.get("stream"):
-        completion_id = next(iter(t.client.chat.completions.create(**body, extra_headers=header))).id
+        chunks = list(t.client.chat.completions.create(**body, extra_headers=header))  # read to its end
+        completion_id = chunks[0].id
     else:
         completion_id = t.client.chat.completions.create(**body, extra_headers=header).id
     _captured(t, completion_id)
