@@ -27,6 +27,7 @@ episode's stored records back into whole turns.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +132,23 @@ def turn_of(row: CapturedRow) -> Turn:
     """A record not stored as a delta yet (as the request path makes it), as a turn."""
     first = row.completion_token_ids[0] if row.completion_token_ids else None
     return Turn(row.id, row.base_model, row.prompt_token_ids, first, messages_of(row.request))
+
+
+def place(turns: Sequence[Turn], row: CapturedRow) -> CapturedRow:
+    """A record as stored after its episode's recent `turns`: its prompt ids and messages a delta on the turn
+    it extends (`link`); `row` is whole, as the request path makes it."""
+    placed = link(turns, turn_of(row))
+    return dataclasses.replace(
+        row,
+        previous_id=placed.previous_id,
+        prompt_prefix_tokens=placed.prompt_prefix_tokens,
+        prompt_token_ids=placed.prompt_delta,
+        segment_break=placed.segment_break,
+        messages_prefix=placed.messages_prefix,
+        request={**row.request, "messages": placed.messages_delta}
+        if "messages" in row.request
+        else row.request,
+    )
 
 
 def rebuild(records: Iterable[CapturedRow]) -> dict[str, Turn]:

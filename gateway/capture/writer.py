@@ -11,7 +11,6 @@ touched: `last_call_at`) in the same transaction as the calls.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -21,7 +20,7 @@ import asyncpg
 
 from gateway.batches import BatchWriter
 from gateway.capture import store
-from gateway.capture.sequences import Turn, link, rebuild, turn_of
+from gateway.capture.sequences import Turn, place, rebuild, turn_of
 from gateway.capture.store import CapturedRow
 
 logger = logging.getLogger(__name__)
@@ -86,22 +85,10 @@ class CaptureWriter(BatchWriter[CapturedRow]):
         if turns is None:
             records = await store.episode_records(conn, org_id=key[0], episode_id=key[1])
             turns = list(rebuild(records).values())[-TURNS_KEPT:]
-        whole = turn_of(row)
-        placed = link(turns, whole)
-        self.turns[key] = [*turns, whole][-TURNS_KEPT:]
+        self.turns[key] = [*turns, turn_of(row)][-TURNS_KEPT:]
         while len(self.turns) > EPISODES_KEPT:
             self.turns.popitem(last=False)
-        return dataclasses.replace(
-            row,
-            previous_id=placed.previous_id,
-            prompt_prefix_tokens=placed.prompt_prefix_tokens,
-            prompt_token_ids=placed.prompt_delta,
-            segment_break=placed.segment_break,
-            messages_prefix=placed.messages_prefix,
-            request={**row.request, "messages": placed.messages_delta}
-            if "messages" in row.request
-            else row.request,
-        )
+        return place(turns, row)
 
     async def _after_flush(self) -> None:
         """Delete records past their retention, every `PURGE_EVERY_S`."""

@@ -150,25 +150,53 @@ async def upload(
             line_count = await offload.thread(org_id, _check_content, temp, purpose, filename, settings)
         else:
             line_count = await anyio.to_thread.run_sync(_check_content, temp, purpose, filename, settings)
-        file_id = new_id("file-")
-        key = blob_key(org_id, file_id)
-        async with pool.acquire() as conn, conn.transaction():
-            row = await store.insert(
-                conn,
-                file_id=file_id,
-                org_id=org_id,
-                filename=filename,
-                purpose=purpose,
-                size=received.size,
-                sha256=received.sha256,
-                blob_key=key,
-                line_count=line_count,
-                expires_at=expires_at,
-            )
-            blobs.commit(temp, key)  # inside the transaction: a failed commit rolls the row back
-        return FileObject.from_row(row)
+        return await _keep(
+            pool,
+            blobs,
+            temp,
+            org_id=org_id,
+            filename=filename,
+            purpose=purpose,
+            size=received.size,
+            sha256=received.sha256,
+            line_count=line_count,
+            expires_at=expires_at,
+        )
     finally:
         temp.unlink(missing_ok=True)
+
+
+async def _keep(
+    pool: asyncpg.Pool,
+    blobs: BlobStore,
+    temp: Path,
+    *,
+    org_id: str,
+    filename: str,
+    purpose: str,
+    size: int,
+    sha256: str,
+    line_count: int | None,
+    expires_at: datetime | None,
+) -> FileObject:
+    """The file's row, and its content (`temp`) committed to the blob store."""
+    file_id = new_id("file-")
+    key = blob_key(org_id, file_id)
+    async with pool.acquire() as conn, conn.transaction():
+        row = await store.insert(
+            conn,
+            file_id=file_id,
+            org_id=org_id,
+            filename=filename,
+            purpose=purpose,
+            size=size,
+            sha256=sha256,
+            blob_key=key,
+            line_count=line_count,
+            expires_at=expires_at,
+        )
+        blobs.commit(temp, key)  # inside the transaction: a failed commit rolls the row back
+    return FileObject.from_row(row)
 
 
 async def store_made(
@@ -179,23 +207,18 @@ async def store_made(
     temp = blobs.new_temp()
     try:
         await anyio.to_thread.run_sync(temp.write_bytes, data)
-        file_id = new_id("file-")
-        key = blob_key(org_id, file_id)
-        async with pool.acquire() as conn, conn.transaction():
-            row = await store.insert(
-                conn,
-                file_id=file_id,
-                org_id=org_id,
-                filename=filename,
-                purpose=purpose,
-                size=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
-                blob_key=key,
-                line_count=lines,
-                expires_at=None,
-            )
-            blobs.commit(temp, key)
-        return FileObject.from_row(row)
+        return await _keep(
+            pool,
+            blobs,
+            temp,
+            org_id=org_id,
+            filename=filename,
+            purpose=purpose,
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            line_count=lines,
+            expires_at=None,
+        )
     finally:
         temp.unlink(missing_ok=True)
 

@@ -16,9 +16,7 @@ from typing import Any, Protocol
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.errors import InvalidRequest
 from gateway.serving.router import proxy_asgi
-from gateway.wire import diagnose
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -182,17 +180,3 @@ async def serve_as_chat(
         return await receive()
 
     await proxy_asgi(chat_scope, chat_receive, _TranslatingSend(send, translator))
-
-
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or a 400 in OpenAI's shape naming what is wrong."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        named = diagnose(raw)
-        if named is not None:
-            raise named from None
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return body

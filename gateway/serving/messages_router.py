@@ -16,6 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.deps import Resources
 from gateway.errors import AuthenticationFailed, as_api_error
 from gateway.serving import anthropic, bridge
+from gateway.serving.protocol import json_object
 from gateway.tenancy.keys import bearer_token
 
 router = APIRouter(prefix="/v1", tags=["messages"])
@@ -53,7 +54,7 @@ class _Messages(Response):
             body = await bridge.read_body(receive)
             headers = _headers(scope)
             await res.auth.authenticate(bearer_token(bridge.header({"headers": headers}, b"authorization")))
-            request = bridge.parse_json(body)
+            request = json_object(body)
             chat = anthropic.to_chat(request)
             translator = anthropic.MessagesTranslator(request)
             await bridge.serve_as_chat(scope, receive, tracked, chat, translator, headers=headers)

@@ -46,6 +46,20 @@ def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None
     return value
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 in OpenAI's shape naming what is wrong."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        named = diagnose(raw)
+        if named is not None:
+            raise named from None
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
 @dataclass(slots=True)
 class ProxyRequest:
     """A client's request body, parsed once."""
@@ -64,15 +78,7 @@ class ProxyRequest:
     @classmethod
     def parse(cls, raw: bytes) -> ProxyRequest:
         """The request of `raw`, or a 400 in OpenAI's shape."""
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            named = diagnose(raw)
-            if named is not None:
-                raise named from None
-            raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+        body = json_object(raw)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequest("You must provide a model parameter.", param="model", code="missing_model")

@@ -14,6 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.deps import Resources
 from gateway.serving import bridge, responses
+from gateway.serving.protocol import json_object
 from gateway.serving.responses_answer import ResponsesTranslator
 from gateway.tenancy.keys import bearer_token
 
@@ -30,7 +31,7 @@ class _Responses(Response):
         res: Resources = scope["app"].state.resources
         body = await bridge.read_body(receive)
         await res.auth.authenticate(bearer_token(bridge.header(scope, b"authorization")))  # 401 before 400
-        request = bridge.parse_json(body)
+        request = json_object(body)
         chat = responses.to_chat(request)
         await bridge.serve_as_chat(scope, receive, send, chat, ResponsesTranslator(request))
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.support.capture import capture_on, eventually
 from tests.support.data import BASE, MESSAGES, TOOLS
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant, admin_of
@@ -25,7 +25,6 @@ from tests.support.vllm import vllm_gateway_fixture
 gw = gateway_fixture("capture")
 vllm_gw = vllm_gateway_fixture("capture-vllm")
 
-T = TypeVar("T")
 ASK: Any = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
 SEEDED: dict[str, Any] = {"model": BASE, "messages": ASK, "max_tokens": 6, "temperature": 1.0, "seed": 1234}
 """A sampled (not greedy) request made repeatable by its seed."""
@@ -67,17 +66,6 @@ CAPTURE_KEYS = {
 }
 
 
-def _eventually(probe: Callable[[], T | None], what: str) -> T:
-    """`probe()` once it answers (captures are written in batches, off the request path)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
-
-
 def _stored(t: Tenant, completion_id: str) -> dict[str, Any]:
     """The stored completion `completion_id`, as raw JSON, once written."""
 
@@ -89,20 +77,14 @@ def _stored(t: Tenant, completion_id: str) -> dict[str, Any]:
         )
         return resp.json() if resp.status_code == 200 else None
 
-    return _eventually(probe, f"{completion_id} stored")
-
-
-def _capture_on(admin: Admin, t: Tenant, **body: Any) -> dict[str, Any]:
-    resp = admin.http.post(f"/v1/admin/organizations/{t.org_id}/capture", json={"enabled": True, **body})
-    assert resp.status_code == 200, resp.text
-    return dict(resp.json())
+    return eventually(probe, f"{completion_id} stored")
 
 
 @pytest.fixture(scope="module")
 def capturing(gw_admin: Admin) -> Tenant:
     """An organisation with capture on (records kept 7 days)."""
     t = gw_admin.tenant("capture-" + secrets.token_hex(3))
-    assert _capture_on(gw_admin, t, retention_days=7)["retention_days"] == 7
+    assert capture_on(gw_admin, t, retention_days=7)["retention_days"] == 7
     return t
 
 
@@ -386,7 +368,7 @@ def test_another_organisations_ids_are_404_on_every_route(gw_admin: Admin, captu
     mine = capturing.client.chat.completions.create(**SEEDED, store=True, metadata={"owner": "me"})
     _stored(capturing, mine.id)
     other = gw_admin.tenant("capture-other-" + secrets.token_hex(3))
-    _capture_on(gw_admin, other)
+    capture_on(gw_admin, other)
     c = other.client.chat.completions
     calls: list[Callable[[], Any]] = [
         lambda: c.retrieve(mine.id),
@@ -417,7 +399,7 @@ def test_with_vllm_the_client_sees_the_same_and_ids_are_stored(
     admin = admin_of(vllm_gw)
     plain = admin.tenant("capture-vllm-plain-" + secrets.token_hex(3))
     captured = admin.tenant("capture-vllm-" + secrets.token_hex(3))
-    _capture_on(admin, captured)
+    capture_on(admin, captured)
     greedy = {**SEEDED, "temperature": 0}
     without = plain.client.chat.completions.create(**greedy).to_dict()
     made = captured.client.chat.completions.create(**greedy, store=True)

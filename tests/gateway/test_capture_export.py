@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
 
+from tests.support.capture import eventually
 from tests.support.data import BASE, TOOLS
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 gw = gateway_fixture("capture-export")
 
-T = TypeVar("T")
 THINK_OPEN = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 """The generation prompt of a template that thinks (empty thinking, as a model asked not to think writes
 it), which it leaves out of earlier assistant turns when it renders them again."""
@@ -35,16 +33,6 @@ def _thinking_template(tokenizer: Any) -> str:
     plain = "{{- '<|im_start|>assistant\\n' }}"
     assert template.count(plain) == 1, "tiny-chat's template changed: update the thinking one"
     return template.replace(plain, "{{- '" + THINK_OPEN.replace("\n", "\\n") + "' }}")
-
-
-def _eventually(probe: Callable[[], T | None], what: str) -> T:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"never happened: {what}")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +68,7 @@ def _export(t: Tenant, episode: str, calls: int, **params: Any) -> dict[str, Any
         seen = body.get("samples") and sum(len(s["completion_ids"]) for s in body["samples"])
         return body if items and (seen == calls or "datums" in body) else None
 
-    return _eventually(probe, f"{calls} calls of {episode} exported")
+    return eventually(probe, f"{calls} calls of {episode} exported")
 
 
 def _agent(t: Tenant, episode: str, turns: int, **extra: Any) -> list[dict[str, Any]]:

@@ -3,11 +3,10 @@ hand-made records: linking, segment breaks and rebuilding."""
 
 from __future__ import annotations
 
-import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.capture.sequences import Turn, link, rebuild, turn_of
+from gateway.capture.sequences import place, rebuild, turn_of
 from gateway.capture.store import CapturedRow
 
 
@@ -43,25 +42,8 @@ def _row(
 
 
 def _stored(rows: list[CapturedRow]) -> list[CapturedRow]:
-    """What the writer stores of each row, in order (`link` against the turns before it)."""
-    turns: list[Turn] = []
-    out = []
-    for row in rows:
-        whole = turn_of(row)
-        placed = link(turns, whole)
-        out.append(
-            dataclasses.replace(
-                row,
-                previous_id=placed.previous_id,
-                prompt_prefix_tokens=placed.prompt_prefix_tokens,
-                prompt_token_ids=placed.prompt_delta,
-                segment_break=placed.segment_break,
-                messages_prefix=placed.messages_prefix,
-                request={**row.request, "messages": placed.messages_delta},
-            )
-        )
-        turns.append(whole)
-    return out
+    """What the writer stores of each row, in order (placed after the turns before it)."""
+    return [place([turn_of(r) for r in rows[:i]], row) for i, row in enumerate(rows)]
 
 
 U1 = {"role": "user", "content": "hi"}

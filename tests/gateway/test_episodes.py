@@ -15,20 +15,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 import httpx
 import openai
 import pytest
 
+from tests.support.capture import capture_on, eventually
 from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
 from tests.support.stack import Admin, Tenant
 
 gw = gateway_fixture("episodes")
 
-T = TypeVar("T")
 ASK: Any = [{"role": "user", "content": "What is 2 + 3?"}]
 CHAT: dict[str, Any] = {"model": BASE, "messages": ASK, "max_tokens": 5, "temperature": 0}
 EPISODE_KEYS = {
@@ -71,15 +71,6 @@ CALL_KEYS = {
 
 
 # ------------------------------------------------------------------------------------------------- helpers
-def _eventually(probe: Callable[[], T | None], what: str, within_s: float = 30) -> T:
-    """`probe()` once it answers (captures are written in batches, about every second)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
 
 
 def _post(t: Tenant, path: str, body: dict[str, Any] | None = None, **kw: Any) -> Any:
@@ -116,11 +107,6 @@ def _sql(database: str, query: str, *args: Any) -> list[asyncpg.Record]:
     return asyncio.run(run())
 
 
-def _capture_on(admin: Admin, t: Tenant, **body: Any) -> None:
-    resp = admin.http.post(f"/v1/admin/organizations/{t.org_id}/capture", json={"enabled": True, **body})
-    assert resp.status_code == 200, resp.text
-
-
 def _captured(t: Tenant, completion_id: str) -> dict[str, Any]:
     """The stored completion, once written."""
 
@@ -128,7 +114,7 @@ def _captured(t: Tenant, completion_id: str) -> dict[str, Any]:
         resp = _http(t).get(f"chat/completions/{completion_id}")
         return resp.json() if resp.status_code == 200 else None
 
-    return _eventually(probe, f"{completion_id} captured")
+    return eventually(probe, f"{completion_id} captured")
 
 
 def _call(t: Tenant, episode_id: str, **kw: Any) -> str:
@@ -152,7 +138,7 @@ def _tag() -> str:
 def capturing(gw_admin: Admin) -> Tenant:
     """An organisation with capture on (records kept 7 days)."""
     t = gw_admin.tenant("episodes-" + _tag())
-    _capture_on(gw_admin, t, retention_days=7)
+    capture_on(gw_admin, t, retention_days=7)
     return t
 
 
@@ -160,7 +146,7 @@ def capturing(gw_admin: Admin) -> Tenant:
 def other(gw_admin: Admin) -> Tenant:
     """Another organisation with capture on."""
     t = gw_admin.tenant("episodes-other-" + _tag())
-    _capture_on(gw_admin, t)
+    capture_on(gw_admin, t)
     return t
 
 
@@ -845,7 +831,7 @@ def _episode_when(t: Tenant, episode_id: str, what: str, ready: Callable[[dict[s
         got = resp.json() if resp.status_code == 200 else None
         return got if got is not None and ready(got) else None
 
-    return _eventually(probe, what)
+    return eventually(probe, what)
 
 
 def test_an_episode_keys_calls_are_its_calls_until_it_closes(capturing: Tenant) -> None:

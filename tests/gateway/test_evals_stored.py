@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import openai
 import pytest
@@ -23,12 +23,12 @@ import pytest
 from gateway.db import create_pool
 from gateway.evals import stored
 from gateway.evals.stored_source import STORED_ITEM_SCHEMA
+from tests.support.capture import capture_on, eventually
 from tests.support.data import BASE
 from tests.support.engine import make_lora_adapter, register_model
 from tests.support.fixtures import gateway_fixture, worker_fixture
 from tests.support.stack import Admin, GatewayServer, Tenant
 
-T = TypeVar("T")
 WORKER_ENV = {"TUNEGATE_REQUEUE_INTERVAL_S": "2", "TUNEGATE_HEARTBEAT_INTERVAL_S": "0.5"}
 gw = gateway_fixture("evals-stored", own_database=True, auth_cache_ttl_s=1.0)
 worker = worker_fixture(autouse=True, **WORKER_ENV)
@@ -50,21 +50,6 @@ ANY_TEXT: Any = {
 }
 """Passes every item: for runs whose point is which items they have."""
 FINAL = ("completed", "failed", "canceled")
-
-
-def _eventually(probe: Callable[[], T | None], what: str, timeout: float = 30) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
-
-
-def _capture_on(admin: Admin, t: Tenant) -> None:
-    resp = admin.http.post(f"/v1/admin/organizations/{t.org_id}/capture", json={"enabled": True})
-    assert resp.status_code == 200, resp.text
 
 
 def _ask(t: Tenant, model: str, n: int, metadata: dict[str, str], **extra: Any) -> dict[str, Any]:
@@ -104,7 +89,7 @@ def captured(gw: GatewayServer, gw_admin: Admin, tiny_model_dir: Path, tmp_path_
     org = gw_admin.tenant("stored-" + secrets.token_hex(3))
     other = gw_admin.tenant("stored-other-" + secrets.token_hex(3))
     for t in (org, other):
-        _capture_on(gw_admin, t)
+        capture_on(gw_admin, t)
     adapter = str(make_lora_adapter(tiny_model_dir, tmp_path_factory.mktemp("lora"), seed=5))
     ft = f"ft:{BASE}:{org.org_id}:stored:ftjob-{secrets.token_hex(6)}"
     register_model(gw.settings.database_url or "", org.org_id, ft, adapter)
@@ -129,7 +114,7 @@ def _stored_all(t: Tenant, ids: list[str], *, only: bool = True) -> None:
         have = [c.id for c in t.client.chat.completions.list(limit=100)]
         return (have == ids if only else set(ids) <= set(have)) or None
 
-    _eventually(probe, f"{ids} stored")
+    eventually(probe, f"{ids} stored")
 
 
 def _run(t: Tenant, eval_id: str, source: dict[str, Any], **extra: Any) -> Any:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anthropic
 import httpx
 import pytest
 
+from tests.support.capture import eventually
 from tests.support.data import BASE
 from tests.support.engine import ft_model, make_lora_adapter
 from tests.support.fixtures import gateway_fixture
@@ -27,7 +27,6 @@ from tests.support.vllm import vllm_gateway_fixture
 gw = gateway_fixture("messages", usage_flush_interval_s=0.3)
 vllm_gw = vllm_gateway_fixture("messages-vllm")
 
-T = TypeVar("T")
 SYSTEM = "Be brief."
 QUESTION = "What is 2 + 3?"
 CHAT: Any = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
@@ -49,16 +48,6 @@ ASK_WEATHER = "What is the weather in Paris?"
 GREEDY: Any = {"temperature": 0}
 """Greedy sampling (the SDK sends `temperature` only as an extra field now; the API still takes it)."""
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-
-
-def _eventually(probe: Callable[[], T | None], what: str) -> T:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
 
 
 def _client(gateway: GatewayServer, t: Tenant) -> anthropic.Anthropic:
@@ -417,7 +406,7 @@ def test_metered_like_chat(gw: GatewayServer, gw_admin: Admin) -> None:
                     got[k] += row[k]
         return got if got == want else None
 
-    assert _eventually(probe, "usage metered") == want
+    assert eventually(probe, "usage metered") == want
 
 
 def _stored(gateway: GatewayServer, t: Tenant, completion_id: str) -> dict[str, Any] | None:
@@ -448,7 +437,7 @@ def _check_capture(gateway: GatewayServer, admin: Admin) -> None:
         streamed = stream.get_final_message()
     for message, was_streamed in ((whole, False), (streamed, True)):
         chat_id = "chatcmpl-" + message.id.removeprefix("msg_")
-        row = _eventually(lambda chat_id=chat_id: _stored(gateway, t, chat_id), f"{chat_id} stored")  # type: ignore[misc]
+        row = eventually(lambda chat_id=chat_id: _stored(gateway, t, chat_id), f"{chat_id} stored")  # type: ignore[misc]
         capture = row["capture"]
         assert (capture["stored"], capture["episode_id"], capture["streamed"]) == (
             False,

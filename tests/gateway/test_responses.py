@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from tests.support.capture import eventually
 from tests.support.data import BASE
 from tests.support.engine import ft_model, make_lora_adapter
 from tests.support.fixtures import gateway_fixture
@@ -27,7 +27,6 @@ from tests.support.vllm import vllm_gateway_fixture
 gw = gateway_fixture("responses", usage_flush_interval_s=0.3)
 vllm_gw = vllm_gateway_fixture("responses-vllm")
 
-T = TypeVar("T")
 INSTRUCTIONS = "Be brief."
 QUESTION = "What is 2 + 3?"
 CHAT: Any = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
@@ -78,16 +77,6 @@ STREAM_END = [
     "response.output_item.done",
     "response.completed",
 ]
-
-
-def _eventually(probe: Callable[[], T | None], what: str) -> T:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = probe()
-        if found is not None:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"never happened: {what}")
 
 
 def _post(gateway: GatewayServer, key: str, body: dict[str, Any], **headers: str) -> httpx.Response:
@@ -442,7 +431,7 @@ def test_metered_like_chat(gw: GatewayServer, gw_admin: Admin) -> None:
                     got[k] += row[k]
         return got if got == want else None
 
-    assert _eventually(probe, "usage metered") == want
+    assert eventually(probe, "usage metered") == want
 
 
 def _stored(gateway: GatewayServer, t: Tenant, completion_id: str) -> dict[str, Any] | None:
@@ -478,7 +467,7 @@ def _check_capture(gateway: GatewayServer, admin: Admin) -> None:
         streamed = stream.get_final_response()
     for resp, is_stored, ep, was_streamed in ((stored, True, None, False), (streamed, False, episode, True)):
         chat_id = "chatcmpl-" + resp.id.removeprefix("resp_")
-        row = _eventually(lambda chat_id=chat_id: _stored(gateway, t, chat_id), f"{chat_id} stored")  # type: ignore[misc]
+        row = eventually(lambda chat_id=chat_id: _stored(gateway, t, chat_id), f"{chat_id} stored")  # type: ignore[misc]
         capture = row["capture"]
         assert (capture["stored"], capture["episode_id"], capture["streamed"]) == (
             is_stored,
