@@ -190,12 +190,15 @@ def _native_package(root: Path, code: str) -> Path:
 
 
 def _slice(
-    box: Any, case: Case, tasks: list[dict[str, Any]], seconds: float, seen: list[float]
+    box: Any, case: Case, tasks: list[dict[str, Any]], seconds: float, seen: list[float], start: int
 ) -> tuple[int, float]:
-    """Play units for `seconds`: (units played, the time they took); the first rewards go to `seen`."""
+    """Play units for `seconds`, the side's units numbered on from `start` (the tasks taken in turn across
+    slices, so both sides play the same sequence however many units a slice holds): (units played, the time
+    they took); the first rewards go to `seen`."""
     done, t0 = 0, time.perf_counter()
     while (now := time.perf_counter()) - t0 < seconds:
-        rewards = case.play(box, tasks[done % len(tasks)], done)
+        unit = start + done
+        rewards = case.play(box, tasks[unit % len(tasks)], unit)
         if len(seen) < 32:
             seen.extend(rewards)
         done += 1
@@ -215,11 +218,13 @@ def _compare(name: str, case: Case, opts: Options, builder: Any) -> dict[str, An
     with Sandbox(native, venvs=builder) as native_box, Sandbox(package, venvs=builder) as adapted_box:
         start_s = time.perf_counter() - t0
         boxes = {"native": native_box, name: adapted_box}
+        played = dict.fromkeys(boxes, 0)
         for side in boxes:
             sides[side] = {"units": 0, "elapsed_s": 0.0, "rewards": []}
         for _ in range(ROUNDS):
             for side, box in boxes.items():
-                n, took = _slice(box, case, tasks, seconds / ROUNDS, sides[side]["rewards"])
+                n, took = _slice(box, case, tasks, seconds / ROUNDS, sides[side]["rewards"], played[side])
+                played[side] += n
                 sides[side]["units"] += n * per_unit
                 sides[side]["elapsed_s"] += took
     for totals in sides.values():

@@ -376,7 +376,9 @@ def run_quickstart(
             )
         report.org_id, report.api_key = create_tenant(root, admin_key, "quickstart")
         console.print(f"organisation {report.org_id} and a key made with the admin API", highlight=False)
-        client = openai.OpenAI(base_url=base_url, api_key=report.api_key, timeout=120, max_retries=2)
+        # Retries ride out a 503 with its retry-after: the first chat with the new model loads its adapter
+        # into the engine, which a busy machine may not finish within one call's wait.
+        client = openai.OpenAI(base_url=base_url, api_key=report.api_key, timeout=120, max_retries=6)
         run_tour(client, console, report, env_dir=env_dir)
     finally:
         if stack is not None and not keep_running:
