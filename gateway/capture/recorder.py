@@ -342,6 +342,9 @@ class Capturer:
 
     def mark_closed(self, org_id: str, episode_id: str) -> None:
         """An episode was closed (or deleted) through this gateway: calls into it are refused from now on."""
+        if len(self.closed) > 100_000:  # bounded: those forgotten are looked up again (`_check_open`)
+            self.closed.clear()
+            self._checked.clear()
         self.closed.add((org_id, episode_id))
 
     async def begin(
