@@ -22,6 +22,7 @@ from gateway.capture.export_router import router as export_router
 from gateway.capture.recorder import Capturer
 from gateway.capture.router import admin_router as capture_admin_router
 from gateway.capture.router import router as capture_router
+from gateway.capture.scoring_router import router as scoring_router
 from gateway.dashboard.router import install as install_dashboard
 from gateway.db import create_pool, migrate
 from gateway.deps import Resources
@@ -163,6 +164,7 @@ def create_app(settings: Settings) -> FastAPI:
         capture_admin_router,
         capture_router,
         export_router,
+        scoring_router,
         episodes_router,
         responses_router,
         messages_router,
