@@ -17,9 +17,9 @@ from envsdk.sandbox import remove_stale_dirs
 from gateway.aliases.router import router as aliases_router
 from gateway.billing.router import router as billing_router
 from gateway.blobstore import BlobStore
+from gateway.capture.capturer import Capturer
 from gateway.capture.episodes_router import router as episodes_router
 from gateway.capture.export_router import router as export_router
-from gateway.capture.recorder import Capturer
 from gateway.capture.router import admin_router as capture_admin_router
 from gateway.capture.router import router as capture_router
 from gateway.capture.scoring_router import router as scoring_router

@@ -11,7 +11,7 @@ from arq.connections import ArqRedis
 from fastapi import Depends, Header, Request
 
 from gateway.blobstore import BlobStore
-from gateway.capture.recorder import Capturer
+from gateway.capture.capturer import Capturer
 from gateway.errors import AuthenticationFailed, PermissionDenied
 from gateway.limits.guard import Guard
 from gateway.notices import Notices

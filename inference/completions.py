@@ -4,6 +4,8 @@
 gets ``n`` choices, numbered ``prompt_index * n + i``. ``echo`` puts the prompt text in front of each
 choice; ``logprobs: k`` returns the legacy shape ``{tokens, token_logprobs, top_logprobs, text_offset}``
 for the generated tokens (echoed prompt tokens are listed with ``null`` log-probabilities).
+``return_token_ids`` (vLLM's extra parameter, which the gateway's capture asks for) puts each choice's
+prompt ids (``prompt_token_ids``) and sampled ids (``token_ids``) on the choice, as vLLM does.
 """
 
 from __future__ import annotations
@@ -132,6 +134,7 @@ async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, A
         for p, gen in enumerate(gens):
             prompt_text = engine.decode(gen.prompt_ids, skip_special_tokens=False) if req.echo else ""
             texts = [prompt_text] * req.n
+            sampled: list[list[int]] = [[] for _ in range(req.n)]
             reasons = ["stop"] * req.n
             legacy = [
                 _Legacy(engine, len(prompt_text) if not req.echo else 0, req.return_tokens_as_token_ids)
@@ -142,19 +145,22 @@ async def completion(engine: ModelEngine, req: CompletionRequest) -> dict[str, A
                     lg.add_prompt(gen.prompt_ids)
             async for event in gen.events():
                 texts[event.index] += event.text
+                sampled[event.index].extend(event.token_ids)
                 completion_tokens += len(event.token_ids)
                 legacy[event.index].add(event.logprobs)
                 if event.finish_reason is not None:
                     reasons[event.index] = event.finish_reason
             for i in range(req.n):
-                choices.append(
-                    {
-                        "index": p * req.n + i,
-                        "text": texts[i],
-                        "finish_reason": reasons[i],
-                        "logprobs": legacy[i].body() if req.logprobs is not None else None,
-                    }
-                )
+                choice: dict[str, Any] = {
+                    "index": p * req.n + i,
+                    "text": texts[i],
+                    "finish_reason": reasons[i],
+                    "logprobs": legacy[i].body() if req.logprobs is not None else None,
+                }
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(gen.prompt_ids)
+                    choice["token_ids"] = sampled[i]
+                choices.append(choice)
     finally:
         for gen in gens:
             engine.cancel(gen)
@@ -185,6 +191,7 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
     try:
         completion_tokens = 0
         echoed: set[int] = set()
+        started: set[int] = set()
         open_pumps = len(tasks)
         while open_pumps:
             item = await queue.get()
@@ -198,7 +205,7 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
             index = p * req.n + event.index
             completion_tokens += len(event.token_ids)
             text = event.text
-            legacy = _Legacy(engine, 0)
+            legacy = _Legacy(engine, 0, req.return_tokens_as_token_ids)
             if req.echo and index not in echoed:
                 echoed.add(index)
                 text = engine.decode(gen.prompt_ids, skip_special_tokens=False) + text
@@ -206,9 +213,17 @@ async def completion_stream(engine: ModelEngine, req: CompletionRequest) -> Asyn
                     legacy.add_prompt(gen.prompt_ids)
             legacy.add(event.logprobs)
             lp = legacy.body() if req.logprobs is not None else None
-            yield chunks.choice(
-                {"index": index, "text": text, "logprobs": lp, "finish_reason": event.finish_reason}
-            )
+            piece: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": event.finish_reason,
+            }
+            if req.return_token_ids:
+                piece["prompt_token_ids"] = None if index in started else list(gen.prompt_ids)
+                piece["token_ids"] = list(event.token_ids)
+                started.add(index)
+            yield chunks.choice(piece)
         if chunks.include_usage:
             yield chunks.usage(sum(len(g.prompt_ids) for g in gens), completion_tokens)
         yield DONE

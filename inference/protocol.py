@@ -136,6 +136,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     """vLLM's extra parameter: logprobs name each token `token_id:<id>` (not its text)."""
+    return_token_ids: bool = False
+    """vLLM's extra parameter: each choice carries its prompt's token ids (``prompt_token_ids``) and its
+    sampled ids (``token_ids``); in a stream, a choice's first chunk carries ``prompt_token_ids`` and every
+    chunk its new ``token_ids``."""
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
