@@ -347,23 +347,25 @@ class Guard:
             if self._syncer is None:
                 self._syncer = self._background(self._sync_holds())
         account.limit = limit
-        while not account.take(estimate, time.monotonic()):
+        # A request that would cost more than the whole month's limit is refused here, Redis or not.
+        granted: bool | None = estimate <= limit
+        while granted and not account.take(estimate, time.monotonic()):
             if account.call is not None:
                 await asyncio.shield(account.call)
                 continue
             granted = await self._hold(key, account, estimate)
             if granted is None:  # Redis unreachable: fail open (nothing held, nothing to settle)
                 return
-            if not granted:
-                await self._refund_tokens(adm)
-                self._release(adm)
-                whose = "the organization's monthly budget"
-                if key_id is not None:
-                    whose = "this API key's monthly spend limit"
-                raise InsufficientQuota(
-                    f"You exceeded your current quota: {whose} is spent.", headers=adm.headers
-                )
             break
+        if not granted:
+            await self._refund_tokens(adm)
+            self._release(adm)
+            whose = "the organization's monthly budget"
+            if key_id is not None:
+                whose = "this API key's monthly spend limit"
+            raise InsufficientQuota(
+                f"You exceeded your current quota: {whose} is spent.", headers=adm.headers
+            )
         adm.holds.append((key, estimate))
 
     async def _hold(self, key: str, account: Account, estimate: int) -> bool | None:
