@@ -6,6 +6,15 @@
 - reinforcement: ``{"messages": [... ending with a user turn], <any other keys>}`` -> ``{"prompt": messages,
   ITEM_COLUMN: json of the whole row}``; the grader reads the row back as ``item``.
 
+Rows of token ids (what captured episodes are exported as) are trained on exactly as given:
+
+- supervised ``{"input_ids", "completion_mask"}`` -> ``{"input_ids", "labels"}`` (-100 off the mask);
+- dpo ``{"prompt_ids", "chosen_ids", "rejected_ids", "chosen_mask"?, "rejected_mask"?}`` -> the same keys
+  (masks default to all ones): the loss on the masked tokens only (``trainer.token_dpo``);
+- reinforcement ``{"input_ids", "completion_mask", "logprobs", "advantage", "reward"?}`` (logged episodes)
+  -> the same keys, ``logprobs`` as floats and the mask cleared where the sampler logged none
+  (``trainer.offline_rl``).
+
 Every problem is a ``TrainerError`` with code ``invalid_training_file`` (or ``invalid_validation_file``)
 naming the line. Only ``datasets`` is imported, inside ``to_dataset``.
 """
@@ -123,9 +132,58 @@ def _token_row(row: dict[str, Any]) -> dict[str, Any]:
     return {"input_ids": ids, "labels": [i if m else -100 for i, m in zip(ids, mask, strict=True)]}
 
 
+def _ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value or not all(type(i) is int and i >= 0 for i in value):
+        raise ValueError(f"{name} must be a non-empty list of token ids")
+    return value
+
+
+def _pair_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A preference pair of token ids (a capture export's): the loss on the masked (sampled) tokens."""
+    out: dict[str, Any] = {"prompt_ids": _ids(row.get("prompt_ids"), "prompt_ids")}
+    for side in ("chosen", "rejected"):
+        ids = _ids(row.get(f"{side}_ids"), f"{side}_ids")
+        mask = row.get(f"{side}_mask", [1] * len(ids))
+        if not isinstance(mask, list) or len(mask) != len(ids) or not any(mask):
+            raise ValueError(f"{side}_mask must mark some of {side}_ids, one 0 or 1 for each")
+        out[f"{side}_ids"], out[f"{side}_mask"] = ids, [1 if m else 0 for m in mask]
+    return out
+
+
+def _episode_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A logged episode's sample: its ids, the sampled tokens that have a logged logprob, those logprobs
+    (0.0 elsewhere), its advantage and reward."""
+    ids = _ids(row.get("input_ids"), "input_ids")
+    mask, logprobs = row.get("completion_mask"), row.get("logprobs")
+    if (
+        not isinstance(mask, list)
+        or not isinstance(logprobs, list)
+        or not len(ids) == len(mask) == len(logprobs)
+    ):
+        raise ValueError("input_ids, completion_mask and logprobs must be lists of the same length")
+    advantage = row.get("advantage")
+    if isinstance(advantage, bool) or not isinstance(advantage, int | float):
+        raise ValueError("advantage must be a number")
+    kept = [1 if m and lp is not None else 0 for m, lp in zip(mask, logprobs, strict=True)]
+    if not any(kept[1:]):
+        raise ValueError("no sampled token (after the first) has a logged logprob")
+    reward = row.get("reward")
+    return {
+        "input_ids": ids,
+        "completion_mask": kept,
+        "logprobs": [float(lp) if k else 0.0 for lp, k in zip(logprobs, kept, strict=True)],
+        "advantage": float(advantage),
+        "reward": float(reward) if isinstance(reward, int | float) else 0.0,
+    }
+
+
 def _convert(method: str, row: dict[str, Any]) -> dict[str, Any]:
     if method == "supervised" and "input_ids" in row:
         return _token_row(row)
+    if method == "dpo" and "prompt_ids" in row:
+        return _pair_row(row)
+    if method == "reinforcement" and "input_ids" in row:
+        return _episode_row(row)
     if method == "supervised":
         messages = normalize_messages(row.get("messages"), "messages")
         if not any(m["role"] == "assistant" for m in messages):

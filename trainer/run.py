@@ -1,10 +1,13 @@
 """One training job: spec in, events out. ``main(spec, events, stop_requested)`` is the whole process.
 
 supervised -> TRL ``SFTTrainer``; dpo -> ``DPOTrainer``; reinforcement -> ``GRPOTrainer`` with grader or
-environment rewards. All three train a LoRA adapter (``build_lora_config``) on the base model. On a CPU:
-float32, ``use_cpu=True``, no gradient checkpointing; on CUDA: bf16 and, for reinforcement, vLLM when asked.
-Checkpoints land in ``output_dir/checkpoints/checkpoint-N`` (adapter files plus optimiser, scheduler and RNG
-state, so they both serve and resume); the final adapter in ``output_dir/adapter``.
+environment rewards. Rows of token ids (captured episodes) train as sampled: supervised rows through
+``SFTTrainer``, preference pairs through ``trainer.token_dpo``, logged episodes with their sampler's logprobs
+offline through ``trainer.offline_rl`` (no grader, no environment, nothing sampled). All of them train a
+LoRA adapter (``build_lora_config``) on the base model. On a CPU: float32, ``use_cpu=True``, no gradient
+checkpointing; on CUDA: bf16 and, for reinforcement, vLLM when asked. Checkpoints land in
+``output_dir/checkpoints/checkpoint-N`` (adapter files plus optimiser, scheduler and RNG state, so they both
+serve and resume); the final adapter in ``output_dir/adapter``.
 """
 
 from __future__ import annotations
@@ -193,6 +196,12 @@ def _build_trainer(
             beta=hp.beta,
             max_length=hp.max_length,
         )
+        if "prompt_ids" in train_ds.column_names:  # pairs of sampled token ids
+            from trainer.token_dpo import build_trainer
+
+            return build_trainer(
+                dpo_config, model=model, tokenizer=tokenizer, train_ds=train_ds, peft_config=peft_config
+            )
         return DPOTrainer(
             model=model,
             args=dpo_config,
@@ -200,9 +209,20 @@ def _build_trainer(
             processing_class=tokenizer,
             peft_config=peft_config,
         )
+    assert isinstance(hp, ReinforcementHyperparameters)
+    if "logprobs" in train_ds.column_names:  # logged episodes: offline, on the rewards already posted
+        from trainer import offline_rl
+
+        return offline_rl.build_trainer(
+            args,
+            model=model,
+            tokenizer=tokenizer,
+            train_ds=train_ds,
+            peft_config=peft_config,
+            batch_size=max(1, hp.batch_size // world_size()),
+        )
     from trl import GRPOConfig, GRPOTrainer
 
-    assert isinstance(hp, ReinforcementHyperparameters)
     vllm: dict[str, Any] = {}
     if spec.use_vllm and on_cuda:
         vllm = {"use_vllm": True, "vllm_mode": "colocate"}
@@ -267,7 +287,7 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
         eval_ds = load_dataset(spec.method, spec.validation_file, code="invalid_validation_file")
     session: EnvironmentSession | None = None
     reward_funcs: list[Any] = []
-    if spec.method == "reinforcement":
+    if spec.method == "reinforcement" and not spec.offline:
         from trainer.rewards import build_reward_funcs
 
         if spec.environment is not None:
@@ -292,15 +312,16 @@ def main(spec: TrainerSpec, events: EventWriter, stop_requested: threading.Event
 
 def _check_token_ids(dataset: Any, vocab_size: int) -> None:
     """Rows of token ids (a capture export's) hold ids of this model's vocabulary, else the file is wrong."""
-    if "input_ids" not in dataset.column_names:
-        return
-    for n, ids in enumerate(dataset["input_ids"], start=1):
-        if ids and max(ids) >= vocab_size:
-            raise TrainerError(
-                "invalid_training_file",
-                f"example {n}: token id {max(ids)} is outside this model's vocabulary of {vocab_size} "
-                "(were the ids captured from another base model?)",
-            )
+    for column in ("input_ids", "prompt_ids", "chosen_ids", "rejected_ids"):
+        if column not in dataset.column_names:
+            continue
+        for n, ids in enumerate(dataset[column], start=1):
+            if ids and max(ids) >= vocab_size:
+                raise TrainerError(
+                    "invalid_training_file",
+                    f"example {n}: token id {max(ids)} is outside this model's vocabulary of {vocab_size} "
+                    "(were the ids captured from another base model?)",
+                )
 
 
 def _train(

@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.contract.hyperparameters import HYPERPARAMETERS, AnyHyperparameters, Method, _Strict
+
+EPISODE_KEYS = ("input_ids", "completion_mask", "logprobs", "advantage")
+"""A training row holding all of these is a logged episode's sample (a capture export's)."""
+
+
+def logged_episodes(path: str | Path) -> bool:
+    """Whether the JSONL file at ``path`` holds logged episodes: its first row has ``EPISODE_KEYS`` (a file
+    that cannot be read is not one)."""
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    return isinstance(row, dict) and all(k in row for k in EPISODE_KEYS)
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 class EnvironmentSpec(_Strict):
@@ -76,8 +94,17 @@ class TrainerSpec(BaseModel):
     @model_validator(mode="after")
     def _complete(self) -> TrainerSpec:
         if self.method == "reinforcement" and self.grader is None and self.environment is None:
-            raise ValueError("reinforcement needs a grader or an environment")
+            if not logged_episodes(self.training_file):
+                raise ValueError(
+                    "reinforcement needs a grader or an environment (or a training file of logged episodes)"
+                )
         return self
+
+    @property
+    def offline(self) -> bool:
+        """Reinforcement on logged episodes (``trainer.offline_rl``): rewards and the sampler's logprobs are
+        in the training file, nothing is sampled or graded."""
+        return self.method == "reinforcement" and logged_episodes(self.training_file)
 
     @property
     def checkpoints_dir(self) -> Path:
