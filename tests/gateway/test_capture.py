@@ -2,8 +2,8 @@
 gateway whose engine serves tiny-chat: off by default (nothing stored, `store: true` or not), on per
 organisation or per key; what the client sees is what it sees without capture, streamed or not; the stored
 token ids are the sampled ones (the same streamed and not, and they decode to the answer); every route is
-scoped to the organisation; bad metadata is a 400 naming it. The last test does the same with vLLM as the
-engine (skipped where vLLM is not installed)."""
+scoped to the organisation; bad metadata is a 400 naming it. The last two tests do the same with vLLM as
+the engine, for chat and for text completions of an episode (skipped where vLLM is not installed)."""
 
 from __future__ import annotations
 
@@ -444,3 +444,43 @@ def test_with_vllm_the_client_sees_the_same_and_ids_are_stored(
     assert [essential(c) for c in streamed["choices"]] == [essential(c) for c in whole["choices"]]
     counts = ("prompt_tokens", "completion_tokens", "total_tokens")
     assert [streamed["usage"][k] for k in counts] == [whole["usage"][k] for k in counts]
+
+
+@pytest.mark.timeout(900)
+def test_with_vllm_text_completions_of_an_episode_are_captured(
+    vllm_gw: GatewayServer, tokenizer: Any
+) -> None:
+    admin = admin_of(vllm_gw)
+    plain = admin.tenant("capture-vllm-text-plain-" + secrets.token_hex(3))
+    captured = admin.tenant("capture-vllm-text-" + secrets.token_hex(3))
+    capture_on(admin, captured)
+    episode = "vllm-text-" + secrets.token_hex(4)
+    ask: dict[str, Any] = {"model": BASE, "prompt": "2 + 3 =", "max_tokens": 6, "temperature": 0}
+    made = captured.client.completions.create(**ask, extra_headers={"X-Episode-Id": episode})
+    # vLLM writes its token-id fields as null when not asked: so they stay, null, for the client.
+    assert _without_ids(made.to_dict()) == _without_ids(plain.client.completions.create(**ask).to_dict())
+    with captured.client.completions.with_streaming_response.create(
+        **ask, stream=True, extra_headers={"X-Episode-Id": episode}
+    ) as resp:
+        seen = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert all(ch.get("token_ids") is None for c in seen for ch in c["choices"])
+    text = "".join(ch["text"] for c in seen for ch in c["choices"])
+    assert text == made.choices[0].text
+
+    def export() -> dict[str, Any] | None:
+        try:
+            out: Any = captured.client.get(f"episodes/{episode}/export", cast_to=object)
+        except openai.NotFoundError:  # not written yet
+            return None
+        return out if len(out["samples"]) == 2 else None
+
+    samples = eventually(export, "both text completions written")["samples"]
+    assert made.usage is not None
+    for s in samples:  # the prompt's ids, then the sampled ones (masked), which decode to the text
+        start = s["completion_mask"].index(1)
+        assert (
+            start == made.usage.prompt_tokens and len(s["input_ids"]) - start == made.usage.completion_tokens
+        )
+        assert tokenizer.decode(s["input_ids"][start:], skip_special_tokens=True) == text
+        assert len([lp for lp in s["logprobs"] if lp is not None]) == made.usage.completion_tokens
+    assert samples[0]["input_ids"] == samples[1]["input_ids"]
