@@ -1,6 +1,7 @@
 """Stripe billing through an outbox: exactly-once meter events across crashes and retries.
 
-1. `aggregate()` — one transaction, under an advisory lock: mark every unbilled usage row of organisations
+1. `aggregate()` — meter the bytes kept in capture up to now (`gateway.usage.storage`), then, in one
+   transaction, under an advisory lock: mark every unbilled usage row of organisations
    that have a Stripe customer as billed, and insert one outbox row per (organisation, meter, window) with
    the sums. The row's `identifier` (`tg:<org>:<meter>:<window start>:<row id>`) never changes afterwards.
 2. `send_pending()` — send each pending row as a Stripe meter event carrying that identifier (and the same
@@ -28,6 +29,7 @@ import asyncpg
 from gateway.billing import store
 from gateway.billing.store import OutboxRow
 from gateway.settings import Settings
+from gateway.usage import storage
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +44,14 @@ def event_names(settings: Settings) -> dict[str, str]:
         "output_tokens": settings.stripe_meter_output_tokens,
         "training_tokens": settings.stripe_meter_training_tokens,
         "training_seconds": settings.stripe_meter_training_seconds,
+        "capture_byte_hours": settings.stripe_meter_capture_storage,
     }
 
 
 async def aggregate(pool: asyncpg.Pool, settings: Settings) -> int:
-    """Move unbilled usage into outbox rows; returns the rows made. Safe to run anywhere, any time."""
+    """Move unbilled usage into outbox rows; returns the rows made. Safe to run anywhere, any time. The bytes
+    kept in capture are metered up to now first (`gateway.usage.storage`)."""
+    await storage.meter(pool)
     names = event_names(settings)
     width = timedelta(seconds=settings.billing_window_s)
     made = 0

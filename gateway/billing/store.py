@@ -34,6 +34,16 @@ SELECT organization_id, date_bin($1::interval, created_at, 'epoch'::timestamptz)
        sum(trained_tokens)::bigint AS training_tokens,
        round(sum(training_seconds))::bigint AS training_seconds
 FROM picked GROUP BY 1, 2"""
+MARK_CAPTURE_STORAGE = """
+WITH picked AS (
+    UPDATE capture_storage_usage u SET billed = true
+    FROM organization_billing b
+    WHERE NOT u.billed AND b.organization_id = u.organization_id AND b.stripe_customer_id IS NOT NULL
+    RETURNING u.organization_id, u.created_at, u.byte_seconds
+)
+SELECT organization_id, date_bin($1::interval, created_at, 'epoch'::timestamptz) AS window_start,
+       round(sum(byte_seconds) / 3600.0)::bigint AS capture_byte_hours
+FROM picked GROUP BY 1, 2"""
 INSERT_OUTBOX = """
 WITH n AS (SELECT nextval(pg_get_serial_sequence('billing_outbox', 'id')) AS id)
 INSERT INTO billing_outbox (id, identifier, organization_id, stripe_customer_id, meter, event_name,
@@ -57,6 +67,7 @@ ORDER BY id DESC LIMIT $4"""
 _MARKS = (
     (MARK_COMPLETIONS, ("input_tokens", "output_tokens")),
     (MARK_TRAINING, ("training_tokens", "training_seconds")),
+    (MARK_CAPTURE_STORAGE, ("capture_byte_hours",)),
 )
 
 

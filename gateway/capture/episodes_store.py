@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from gateway.capture import store as capture_store
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
 
 
@@ -141,8 +142,9 @@ DELETE_REWARDS = "DELETE FROM episode_rewards WHERE organization_id = $1 AND epi
 DELETE_CALLS = "DELETE FROM captured_completions WHERE organization_id = $1 AND episode_id = $2"
 DELETE = f"DELETE FROM episodes WHERE organization_id = $1 AND id = $2 RETURNING api_key_id, {LIVE} AS live"
 CALLS = f"""
-SELECT id, created_at, response->'created' AS created, model, served_version, finish_reason,
-       response->'usage' AS usage, previous_id, prompt_prefix_tokens, segment_break, latency_ms
+SELECT id, created_at, {capture_store.RESPONSE_CREATED} AS created, model, served_version, finish_reason,
+       {capture_store.RESPONSE_USAGE} AS usage, previous_id, prompt_prefix_tokens,
+       {capture_store.SEGMENT_BREAK} AS segment_break, latency_ms
 FROM captured_completions
 WHERE organization_id = $1 AND episode_id = $2 AND {LIVE}
 ORDER BY created_at, seq
@@ -151,6 +153,7 @@ COMPLETION = f"""
 SELECT episode_id,
        coalesce(CASE WHEN jsonb_typeof(completion_token_ids -> 0) = 'array'
                      THEN jsonb_array_length(completion_token_ids -> 0) END,
+                {capture_store.FIRST_COMPLETION_LENGTH},
                 completion_tokens) AS completion_tokens
 FROM captured_completions
 WHERE organization_id = $1 AND id = $2 AND {LIVE}

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import orjson
 
+from gateway.capture import codec
 from gateway.db import Conn, maybe_row_to, row_to, rows_to
 
 
@@ -62,9 +66,6 @@ class CapturedRow:
     """What the call cost the organisation (its tokens at the price table's prices)."""
 
 
-CAPTURED_FIELDS = tuple(f.name for f in fields(CapturedRow))
-
-
 SET = """
 INSERT INTO capture_settings (organization_id, api_key_id, enabled, retention_days)
 VALUES ($1, $2, $3, $4)
@@ -76,30 +77,27 @@ GET = "SELECT * FROM capture_settings WHERE organization_id = $1 AND api_key_id 
 ALL_SETTINGS = "SELECT * FROM capture_settings"
 ORG_OF_KEY = "SELECT organization_id FROM api_keys WHERE id = $1"
 
-INSERT = """
-INSERT INTO captured_completions (
-    organization_id, id, api_key_id, episode_id, parent_episode_id, stored, streamed, model, base_model,
-    served_version, request, response, metadata, prompt_token_ids, completion_token_ids, logprobs,
-    finish_reason, prompt_tokens, completion_tokens, latency_ms, status, created_at, expires_at, previous_id,
-    prompt_prefix_tokens, messages_prefix, segment_break, stored_bytes, cost_usd
-) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11::text::jsonb, $12::text::jsonb,
-          $13::text::jsonb, $14::text::jsonb, $15::text::jsonb, $16::text::jsonb, $17, $18, $19, $20, $21,
-          $22, $23, $24, $25, $26, $27::text::jsonb, $28, $29)
+STORED_COLUMNS = (
+    *(f.name for f in fields(CapturedRow)),
+    "form",
+    "derived",
+    "prompt_ids",
+    "completion_ids",
+    "logprob_values",
+)
+"""The columns a record is written to (`encoded` gives their values in this order)."""
+INSERT = f"""
+INSERT INTO captured_completions ({", ".join(STORED_COLUMNS)})
+VALUES ({
+    ", ".join(
+        f"${i}::text::jsonb" if c in codec.JSON_COLUMNS else f"${i}" for i, c in enumerate(STORED_COLUMNS, 1)
+    )
+})
 ON CONFLICT (organization_id, id) DO NOTHING
 """
-"""A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it. The JSON
-columns come encoded (`encoded`): each is serialised once, which also gives the record's `stored_bytes`."""
-JSON_FIELDS = frozenset(
-    (
-        "request",
-        "response",
-        "metadata",
-        "prompt_token_ids",
-        "completion_token_ids",
-        "logprobs",
-        "segment_break",
-    )
-)
+"""A repeated id (an engine told to reuse one) keeps the first record: a batch never fails on it. The values
+come encoded (`encoded`, `gateway.capture.codec`): each field is serialised once, which also gives the
+record's `stored_bytes`."""
 
 # An episode named by a captured call: made by its first call, its last call's end kept.
 UPSERT_EPISODE = """
@@ -115,34 +113,96 @@ FROM episodes WHERE organization_id = $1 AND id = $2
 """
 
 LIVE = "(expires_at IS NULL OR expires_at > now())"
-GET_ONE = f"SELECT * FROM captured_completions WHERE organization_id = $1 AND id = $2 AND {LIVE}"
+
+# What other stores read of a record in SQL, in either form (`gateway.capture.codec`).
+RESPONSE_CREATED = f"""CASE WHEN form = 1 AND (derived & 4) <> 0
+    THEN to_jsonb(floor(extract(epoch FROM created_at))::bigint
+                  + ((derived >> {codec.CREATED_SHIFT}) & 15) + ({codec.CREATED_OFFSETS.start}))
+    ELSE response -> 'created' END"""
+RESPONSE_USAGE = """CASE WHEN form = 1 AND (derived & 32) <> 0
+    THEN jsonb_build_object('prompt_tokens', prompt_tokens, 'completion_tokens', completion_tokens,
+                            'total_tokens', prompt_tokens + completion_tokens)
+    ELSE response -> 'usage' END"""
+_BREAK = f"""CASE WHEN (derived & {codec.BREAK_LIST}) <> 0
+    THEN jsonb_strip_nulls(jsonb_build_object({
+    ", ".join(f"'{k}', segment_break -> {i}" for i, k in enumerate(codec.BREAK_KEYS))
+}))
+    ELSE segment_break END"""
+SEGMENT_BREAK = f"""CASE WHEN (derived & {codec.BREAK_EXTENDS}) <> 0
+         THEN ({_BREAK}) || jsonb_build_object('extends', previous_id)
+    WHEN (derived & {codec.BREAK_PREVIOUS}) <> 0
+         THEN ({_BREAK}) || jsonb_build_object('previous_id', previous_id)
+    ELSE {_BREAK} END"""
+FIRST_COMPLETION_LENGTH = """CASE
+    WHEN completion_ids IS NULL OR length(completion_ids) = 0 THEN NULL
+    WHEN get_byte(completion_ids, 0) < 128 THEN get_byte(completion_ids, 0)
+    WHEN get_byte(completion_ids, 1) < 128
+         THEN (get_byte(completion_ids, 0) & 127) + get_byte(completion_ids, 1) * 128
+    ELSE (get_byte(completion_ids, 0) & 127) + (get_byte(completion_ids, 1) & 127) * 128
+         + get_byte(completion_ids, 2) * 16384 END"""
+"""The length of choice 0's ids (a varint, up to 2**21) in `completion_ids`."""
+
+READ = """
+SELECT c.*, b.settings AS request_base, p.response AS previous_response
+FROM captured_completions c
+LEFT JOIN capture_request_bases b ON b.organization_id = c.organization_id AND b.episode_id = c.episode_id
+LEFT JOIN captured_completions p ON p.organization_id = c.organization_id AND p.id = c.previous_id
+"""
+"""Records as `row_of` reads them: with their episode's base settings and the answer of the turn each
+extends (`gateway.capture.codec`)."""
+LIVE_C = "(c.expires_at IS NULL OR c.expires_at > now())"
+GET_ONE = f"{READ} WHERE c.organization_id = $1 AND c.id = $2 AND {LIVE_C}"
+BY_IDS = f"{READ} WHERE c.organization_id = $1 AND c.id = ANY($2::text[]) AND {LIVE_C}"
 LIST = f"""
-SELECT * FROM captured_completions c
-WHERE organization_id = $1 AND {LIVE}
-  AND ($2::text IS NULL OR model = $2)
-  AND ($3::jsonb IS NULL OR metadata @> $3::jsonb)
-  AND ($4::text IS NULL OR (created_at, seq) {{op}} (
+{READ}
+WHERE c.organization_id = $1 AND {LIVE_C}
+  AND ($2::text IS NULL OR c.model = $2)
+  AND ($3::jsonb IS NULL OR c.metadata @> $3::jsonb)
+  AND ($4::text IS NULL OR (c.created_at, c.seq) {{op}} (
         SELECT created_at, seq FROM captured_completions WHERE organization_id = $1 AND id = $4))
-ORDER BY created_at {{dir}}, seq {{dir}}
+ORDER BY c.created_at {{dir}}, c.seq {{dir}}
 LIMIT $5
 """
 EPISODE_RECORDS = f"""
-SELECT * FROM captured_completions
-WHERE organization_id = $1 AND episode_id = $2 AND {LIVE}
-ORDER BY seq
+{READ}
+WHERE c.organization_id = $1 AND c.episode_id = $2 AND {LIVE_C}
+ORDER BY c.seq
 """
-STORE_WHOLE = """
+FOR_REWRITE = f"{READ} WHERE c.organization_id = $1 AND c.id = $2 FOR UPDATE OF c"
+_REWRITTEN = STORED_COLUMNS[2:]
+"""Every column but the key (`organization_id`, `id`) is written again."""
+REWRITE = f"""
 UPDATE captured_completions
-SET prompt_token_ids = $3, request = $4, previous_id = NULL, prompt_prefix_tokens = 0, messages_prefix = 0
+SET ({", ".join(_REWRITTEN)}) = ROW({
+    ", ".join(
+        f"${i}::text::jsonb" if c in codec.JSON_COLUMNS else f"${i}" for i, c in enumerate(_REWRITTEN, 3)
+    )
+})
 WHERE organization_id = $1 AND id = $2
+"""
+UPSERT_BASE = """
+INSERT INTO capture_request_bases (organization_id, episode_id, settings, expires_at)
+VALUES ($1, $2, $3::text::jsonb, $4)
+ON CONFLICT (organization_id, episode_id) DO UPDATE
+SET expires_at = CASE WHEN capture_request_bases.expires_at IS NULL OR EXCLUDED.expires_at IS NULL THEN NULL
+                      ELSE greatest(capture_request_bases.expires_at, EXCLUDED.expires_at) END
+RETURNING settings, xmax = 0 AS made
+"""
+"""An episode's base settings: made by its first call written (whichever gateway wrote it), kept as long as
+the episode's longest-kept record."""
+ANSWER_DEPENDENTS = f"""
+SELECT c.organization_id, c.id FROM captured_completions c
+JOIN captured_completions p ON p.organization_id = c.organization_id AND p.id = c.previous_id
+WHERE (c.derived & {codec.ANSWER_FIRST}) <> 0 AND p.expires_at <= now() AND {LIVE_C}
+LIMIT $1
+"""
+"""Live records whose first message is the answer of a turn past its retention (kept whole before it goes)."""
+PURGE_BASES = """
+DELETE FROM capture_request_bases WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM capture_request_bases WHERE expires_at <= now() LIMIT $1))
 """
 LIST_ASC = LIST.format(op=">", dir="ASC")
 LIST_DESC = LIST.format(op="<", dir="DESC")
-UPDATE_METADATA = f"""
-UPDATE captured_completions SET metadata = $3
-WHERE organization_id = $1 AND id = $2 AND {LIVE}
-RETURNING *
-"""
 DELETE = f"DELETE FROM captured_completions WHERE organization_id = $1 AND id = $2 AND {LIVE} RETURNING id"
 PURGE = """
 DELETE FROM captured_completions WHERE ctid = ANY(ARRAY(
@@ -186,30 +246,74 @@ async def org_of_key(conn: Conn, *, key_id: str) -> str | None:
     return str(value) if value is not None else None
 
 
-def encoded(row: CapturedRow) -> tuple[Any, ...]:
-    """A record's `INSERT` arguments (`CapturedRow`'s fields in their order), its JSON fields serialised, and
-    its `stored_bytes` their size."""
-    values = []
-    size = 0
-    for name in CAPTURED_FIELDS:
-        value = getattr(row, name)
-        if name in JSON_FIELDS and value is not None:
-            text = orjson.dumps(value)
-            size += len(text)
-            value = text.decode()
-        values.append(value)
-    values[CAPTURED_FIELDS.index("stored_bytes")] = size
-    return tuple(values)
+def encoded(
+    row: CapturedRow, *, base: dict[str, Any] | None = None, previous_answer: str | None = None
+) -> tuple[Any, ...]:
+    """A record's `INSERT` arguments (`STORED_COLUMNS`' values in `gateway.capture.codec`'s form 1, against
+    its episode's `base` settings and the `previous_answer` of the turn it extends), `stored_bytes` what
+    they store."""
+    values, size = codec.encode(row, base=base, previous_answer=previous_answer)
+    return tuple(
+        size if name == "stored_bytes" else values[name] if name in values else getattr(row, name)
+        for name in STORED_COLUMNS
+    )
 
 
-def stored_bytes(row: CapturedRow) -> int:
-    """The bytes a record stores: its JSON fields, as written."""
-    return int(encoded(row)[CAPTURED_FIELDS.index("stored_bytes")])
+def stored_bytes(
+    row: CapturedRow, *, base: dict[str, Any] | None = None, previous_answer: str | None = None
+) -> int:
+    """The bytes a record stores (`gateway.capture.codec`)."""
+    return codec.encode(row, base=base, previous_answer=previous_answer)[1]
 
 
-async def insert_many(conn: Conn, rows: list[CapturedRow]) -> None:
-    """Write captured calls."""
-    await conn.executemany(INSERT, [encoded(r) for r in rows])
+def row_of(record: Mapping[str, Any]) -> CapturedRow:
+    """A record as the `CapturedRow` it stores, in either form (`gateway.capture.codec.decode`; `READ`)."""
+    return row_to(CapturedRow, codec.decode(record))
+
+
+def maybe_row_of(record: Mapping[str, Any] | None) -> CapturedRow | None:
+    return None if record is None else row_of(record)
+
+
+def rows_of(records: Iterable[Mapping[str, Any]]) -> list[CapturedRow]:
+    return [row_of(r) for r in records]
+
+
+async def insert_many(
+    conn: asyncpg.Connection, rows: list[CapturedRow], answers: Mapping[str, str | None] | None = None
+) -> None:
+    """Write captured calls (in the caller's transaction), one organisation after another (each insert
+    locks its organisation's `capture_storage` row until the transaction ends: in one order, two writers
+    never deadlock). `answers`: by record id, the text answered by the turn it extends (`previous_id`). The
+    episodes' base settings are made by the first call written of each (its bytes counted in that call's)."""
+    ordered = sorted(rows, key=lambda r: r.organization_id)  # stable: an episode's calls keep their order
+    bases: dict[tuple[str, str], dict[str, Any]] = {}
+    made: set[str] = set()
+    for r in ordered:
+        if r.episode_id is None or (r.organization_id, r.episode_id) in bases:
+            continue
+        mine = [o for o in ordered if o.organization_id == r.organization_id and o.episode_id == r.episode_id]
+        expiry = [o.expires_at for o in mine]
+        longest = None if None in expiry else max(e for e in expiry if e is not None)
+        record = await conn.fetchrow(
+            UPSERT_BASE,
+            r.organization_id,
+            r.episode_id,
+            orjson.dumps(codec.settings_of(r.request)).decode(),
+            longest,
+        )
+        bases[(r.organization_id, r.episode_id)] = record["settings"]
+        if record["made"]:
+            made.add(r.id)
+    args = []
+    size_at = STORED_COLUMNS.index("stored_bytes")
+    for r in ordered:
+        base = bases.get((r.organization_id, r.episode_id)) if r.episode_id is not None else None
+        values = encoded(r, base=base, previous_answer=(answers or {}).get(r.id))
+        if r.id in made and base is not None:
+            values = (*values[:size_at], values[size_at] + len(orjson.dumps(base)), *values[size_at + 1 :])
+        args.append(values)
+    await conn.executemany(INSERT, args)
 
 
 async def upsert_episodes(conn: Conn, episodes: list[tuple[Any, ...]]) -> None:
@@ -225,18 +329,67 @@ async def episode_closed(conn: Conn, *, org_id: str, episode_id: str) -> bool:
 
 async def episode_records(conn: Conn, *, org_id: str, episode_id: str) -> list[CapturedRow]:
     """Every live record of an episode, oldest first."""
-    return rows_to(CapturedRow, await conn.fetch(EPISODE_RECORDS, org_id, episode_id))
+    return rows_of(await conn.fetch(EPISODE_RECORDS, org_id, episode_id))
+
+
+async def by_ids(conn: Conn, *, org_id: str, ids: list[str]) -> list[CapturedRow]:
+    """The live records of these ids (any order)."""
+    return rows_of(await conn.fetch(BY_IDS, org_id, ids))
 
 
 async def store_whole(
     conn: Conn, *, org_id: str, completion_id: str, prompt: list[int] | None, request: dict[str, Any]
 ) -> None:
     """Store a record whole (its prompt ids and messages no longer a delta on an earlier turn)."""
-    await conn.execute(STORE_WHOLE, org_id, completion_id, prompt, request)
+    await _rewrite(
+        conn,
+        org_id,
+        completion_id,
+        lambda row: dataclasses.replace(
+            row,
+            prompt_token_ids=prompt,
+            request=request,
+            previous_id=None,
+            prompt_prefix_tokens=0,
+            messages_prefix=0,
+        ),
+    )
+
+
+async def _rewrite(
+    conn: Conn,
+    org_id: str,
+    completion_id: str,
+    change: Callable[[CapturedRow], CapturedRow | None],
+    *,
+    keep_answer: bool = True,
+) -> CapturedRow | None:
+    """Write a record again as `change` makes it (nothing when it answers None, or there is no record), its
+    `stored_bytes` with it; the record as it is now. `keep_answer=False`: its messages keep the answer of the
+    turn it extends (that turn is going)."""
+    if isinstance(conn, asyncpg.Pool):
+        async with conn.acquire() as one:
+            return await _rewrite(one, org_id, completion_id, change, keep_answer=keep_answer)
+    async with conn.transaction():
+        record = await conn.fetchrow(FOR_REWRITE, org_id, completion_id)
+        row = maybe_row_of(record)
+        new = change(row) if row is not None else None
+        if record is None or row is None or new is None:
+            return None
+        previous = record["previous_response"]
+        answer = (
+            codec.answer_of(previous)
+            if keep_answer and previous is not None and new.previous_id == row.previous_id
+            else None
+        )
+        base = record["request_base"] if new.episode_id is not None else None
+        values = encoded(new, base=base, previous_answer=answer)
+        await conn.execute(REWRITE, org_id, completion_id, *values[2:])
+        return dataclasses.replace(new, stored_bytes=values[STORED_COLUMNS.index("stored_bytes")])
 
 
 async def get(conn: Conn, *, org_id: str, completion_id: str) -> CapturedRow | None:
-    return maybe_row_to(CapturedRow, await conn.fetchrow(GET_ONE, org_id, completion_id))
+    return maybe_row_of(await conn.fetchrow(GET_ONE, org_id, completion_id))
 
 
 async def list_page(
@@ -250,13 +403,19 @@ async def list_page(
     descending: bool,
 ) -> list[CapturedRow]:
     sql = LIST_DESC if descending else LIST_ASC
-    return rows_to(CapturedRow, await conn.fetch(sql, org_id, model, metadata, after, limit))
+    return rows_of(await conn.fetch(sql, org_id, model, metadata, after, limit))
 
 
 async def update_metadata(
     conn: Conn, *, org_id: str, completion_id: str, metadata: dict[str, str]
 ) -> CapturedRow | None:
-    return maybe_row_to(CapturedRow, await conn.fetchrow(UPDATE_METADATA, org_id, completion_id, metadata))
+    now = datetime.now(UTC)
+
+    def change(row: CapturedRow) -> CapturedRow | None:
+        live = row.expires_at is None or row.expires_at > now
+        return dataclasses.replace(row, metadata=metadata) if live else None
+
+    return await _rewrite(conn, org_id, completion_id, change)
 
 
 async def delete(conn: Conn, *, org_id: str, completion_id: str) -> bool:
@@ -264,9 +423,13 @@ async def delete(conn: Conn, *, org_id: str, completion_id: str) -> bool:
 
 
 async def purge_expired(conn: Conn, *, most: int) -> int:
-    """Delete up to `most` records past their retention, and up to `most` episodes with their rewards (and
-    the thumbs of completions outside episodes that are gone); how many records."""
+    """Delete up to `most` records past their retention (the later turns that begin with one's answer keep
+    it first), episodes' base settings no record needs any more, and up to `most` episodes with their
+    rewards (and the thumbs of completions outside episodes that are gone); how many records."""
+    for record in await conn.fetch(ANSWER_DEPENDENTS, most):
+        await _rewrite(conn, record["organization_id"], record["id"], lambda row: row, keep_answer=False)
     status = await conn.execute(PURGE, most)
+    await conn.execute(PURGE_BASES, most)
     await conn.execute(PURGE_EPISODES, most)
     await conn.execute(PURGE_LOOSE_REWARDS, most)
     return int(status.split()[-1])

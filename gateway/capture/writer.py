@@ -20,6 +20,7 @@ import asyncpg
 
 from gateway.batches import BatchWriter
 from gateway.capture import store
+from gateway.capture.codec import answer_of
 from gateway.capture.sequences import Turn, place, rebuild, turn_of
 from gateway.capture.store import CapturedRow
 
@@ -47,12 +48,15 @@ class CaptureWriter(BatchWriter[CapturedRow]):
         self._purged_at = 0.0
         self.turns: OrderedDict[tuple[str, str], list[Turn]] = OrderedDict()
         """Recent whole turns of recent episodes, by (organisation, episode id)."""
+        self.answers: dict[tuple[str, str], dict[str, str | None]] = {}
+        """The text each of those turns answered, by turn id (`codec.answer_of`)."""
 
     async def _write(self, pool: asyncpg.Pool, batch: list[CapturedRow]) -> None:
         touched: set[tuple[str, str]] = set()
+        answers: dict[str, str | None] = {}
         try:
             async with pool.acquire() as conn:
-                rows = [await self._placed(conn, row, touched) for row in batch]
+                rows = [await self._placed(conn, row, touched, answers) for row in batch]
                 episodes = {
                     (r.organization_id, r.episode_id): (
                         r.organization_id,
@@ -67,28 +71,43 @@ class CaptureWriter(BatchWriter[CapturedRow]):
                 }
                 async with conn.transaction():
                     await store.upsert_episodes(conn, sorted(episodes.values(), key=lambda e: e[4]))
-                    await store.insert_many(conn, rows)
+                    await store.insert_many(conn, rows, answers)
         except BaseException:
             for key in touched:  # their turns may not have been written: read them back next time
                 self.turns.pop(key, None)
+                self.answers.pop(key, None)
             raise
 
     async def _placed(
-        self, conn: asyncpg.Connection, row: CapturedRow, touched: set[tuple[str, str]]
+        self,
+        conn: asyncpg.Connection,
+        row: CapturedRow,
+        touched: set[tuple[str, str]],
+        answers: dict[str, str | None],
     ) -> CapturedRow:
-        """The record as stored: a delta on its episode's turn it extends (`sequences.link`)."""
+        """The record as stored: a delta on its episode's turn it extends (`sequences.link`); `answers` gets
+        the text that turn answered (`store.insert_many`)."""
         if row.episode_id is None:
             return row
         key = (row.organization_id, row.episode_id)
         touched.add(key)
         turns = self.turns.pop(key, None)
-        if turns is None:
+        answered = self.answers.pop(key, None)
+        if turns is None or answered is None:
             records = await store.episode_records(conn, org_id=key[0], episode_id=key[1])
             turns = list(rebuild(records).values())[-TURNS_KEPT:]
-        self.turns[key] = [*turns, turn_of(row)][-TURNS_KEPT:]
+            answered = {r.id: answer_of(r.response) for r in records}
+        kept = [*turns, turn_of(row)][-TURNS_KEPT:]
+        answered[row.id] = answer_of(row.response)
+        self.turns[key] = kept
+        self.answers[key] = {t.id: answered.get(t.id) for t in kept}
         while len(self.turns) > EPISODES_KEPT:
-            self.turns.popitem(last=False)
-        return place(turns, row)
+            gone, _ = self.turns.popitem(last=False)
+            self.answers.pop(gone, None)
+        placed = place(turns, row)
+        if placed.previous_id is not None:
+            answers[row.id] = answered.get(placed.previous_id)
+        return placed
 
     async def _after_flush(self) -> None:
         """Delete records past their retention, every `PURGE_EVERY_S`."""

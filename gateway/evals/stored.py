@@ -22,7 +22,7 @@ from typing import Any
 from gateway.capture import store as capture_store
 from gateway.capture.sequences import messages_of, rebuild
 from gateway.capture.store import CapturedRow
-from gateway.db import Conn, rows_to
+from gateway.db import Conn
 from gateway.evals.datasource import Row
 from gateway.evals.samples import sample_of
 from gateway.evals.stored_source import STORED_ITEM_SCHEMA
@@ -45,8 +45,6 @@ SELECT id FROM (
     LIMIT $7
 ) newest
 ORDER BY created_at, seq"""
-ROWS_BY_IDS = f"""
-SELECT * FROM captured_completions WHERE organization_id = $1 AND id = ANY($2::text[]) AND {LIVE}"""
 
 ITEM_KEYS = frozenset(STORED_ITEM_SCHEMA["properties"])
 """What every item of a stored completion holds."""
@@ -87,7 +85,7 @@ async def rows_by_ids(conn: Conn, *, org_id: str, ids: list[str]) -> list[Row]:
     """The items of stored completions `ids` (of the organisation `org_id` only), in the order of `ids`; a
     completion that is gone is an item with its id alone and a sample that says so. A call of an episode
     stored as a delta on an earlier turn (`gateway.capture.sequences`) has its whole messages as `input`."""
-    found = {r.id: r for r in rows_to(CapturedRow, await conn.fetch(ROWS_BY_IDS, org_id, ids))}
+    found = {r.id: r for r in await capture_store.by_ids(conn, org_id=org_id, ids=ids)}
     whole: dict[str, list[Any]] = {}
     for episode in sorted({r.episode_id for r in found.values() if r.episode_id and r.messages_prefix}):
         turns = rebuild(await capture_store.episode_records(conn, org_id=org_id, episode_id=episode))

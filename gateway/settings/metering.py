@@ -33,6 +33,9 @@ class MeteringSettings(BaseModel):
     prices: dict[str, ModelPrice] = Field(default_factory=dict)
     """Price table per base model (JSON): `{"tiny-chat": {"input_per_million": 0.2, ...}}`; the key `*`
     prices every base model not named (unset: `ModelPrice`'s defaults)."""
+    capture_storage_per_gb_month: float = 0.10
+    """USD per GB-month (30 days) of bytes an organisation keeps in capture (its records' `stored_bytes`,
+    metered in byte-seconds while they are kept)."""
     stripe_api_key: SecretStr | None = None
     """Stripe secret key. Unset: usage is aggregated into the outbox but nothing is sent."""
     stripe_api_base: str | None = None
@@ -47,6 +50,8 @@ class MeteringSettings(BaseModel):
     """Stripe meter event name for trained tokens."""
     stripe_meter_training_seconds: str = "tunegate_training_seconds"
     """Stripe meter event name for seconds of the core training loop."""
+    stripe_meter_capture_storage: str = "tunegate_capture_byte_hours"
+    """Stripe meter event name for the bytes kept in capture, in byte-hours."""
     billing_window_s: int = 3600
     """Width of the usage windows aggregated into one meter event per organisation and meter."""
     billing_interval_s: int = 60

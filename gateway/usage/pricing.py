@@ -1,5 +1,5 @@
 """Prices: what tokens and training time cost, from the settings' price table (USD per million tokens and
-per hour of the core training loop, per base model)."""
+per hour of the core training loop, per base model), and what bytes kept in capture cost (per GB-month)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from gateway.settings import Settings
 logger = logging.getLogger(__name__)
 
 MILLION = 1_000_000.0
+GB_MONTH_BYTE_SECONDS = 1e9 * 30 * 86_400
+"""Byte-seconds in a GB-month (a GB kept 30 days)."""
 
 
 def input_cost(settings: Settings, base_model: str, prompt_tokens: int) -> float:
@@ -44,3 +46,13 @@ def training_cost(settings: Settings, base_model: str, trained_tokens: int, seco
     return training_tokens_cost(settings, base_model, trained_tokens) + training_time_cost(
         settings, base_model, seconds
     )
+
+
+def gb_months(byte_seconds: float) -> float:
+    """Byte-seconds as GB-months."""
+    return byte_seconds / GB_MONTH_BYTE_SECONDS
+
+
+def capture_storage_cost(settings: Settings, byte_seconds: float) -> float:
+    """USD for bytes kept in capture (`gateway.usage.storage`), per GB-month."""
+    return gb_months(byte_seconds) * settings.capture_storage_per_gb_month

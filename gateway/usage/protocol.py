@@ -1,5 +1,6 @@
 """Usage and costs API shapes: OpenAI's organisation usage pages (`GET /v1/organization/usage/completions`,
-`GET /v1/organization/costs`)."""
+`GET /v1/organization/costs`), and the bytes kept in capture
+(`GET /v1/organization/usage/capture_storage`)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ class CompletionsUsageResult(OpenAIBaseModel):
     batch: bool | None = None
 
 
+class CaptureStorageUsageResult(OpenAIBaseModel):
+    """Bytes kept in capture during one bucket (`gateway.usage.storage`): the records' `stored_bytes` times
+    the seconds they were kept, metered as the worker's billing pass accrues them."""
+
+    object: Literal["organization.usage.capture_storage.result"] = "organization.usage.capture_storage.result"
+    byte_seconds: int
+    gb_months: float
+    """The same in GB-months (a GB kept 30 days), the unit it is priced in."""
+
+
 class CostAmount(OpenAIBaseModel):
     value: float
     currency: Literal["usd"] = "usd"
@@ -55,7 +66,8 @@ class CostsResult(OpenAIBaseModel):
     object: Literal["organization.costs.result"] = "organization.costs.result"
     amount: CostAmount
     line_item: str | None = None
-    """`<base model>, input|output|training tokens|training hours` when grouped by line item."""
+    """`<base model>, input|output|training tokens|training hours`, or `capture storage`, when grouped by line
+    item."""
     project_id: str | None = None
 
 
@@ -64,7 +76,7 @@ class CostsLineItem(CostsResult):
 
     quantity: float
     quantity_unit: str
-    """`tokens` or `hours`."""
+    """`tokens`, `hours` or `GB-months` (bytes kept in capture)."""
 
 
 ResultT = TypeVar("ResultT", bound=OpenAIBaseModel)

@@ -1,8 +1,9 @@
-"""Routes `GET /v1/organization/usage/completions` and `GET /v1/organization/costs`.
+"""Routes `GET /v1/organization/usage/completions`, `GET /v1/organization/usage/capture_storage` and
+`GET /v1/organization/costs`.
 
 An organisation's keys (a person's, not those minted for an eval run or a job) read their own organisation's
 usage, each read taking one request from the key's request limit; the admin key reads any, naming it with
-the `organization_id` query parameter. Both routes take the same query (`usage_query`).
+the `organization_id` query parameter. Every route takes the same query (`usage_query`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from fastapi import APIRouter, Depends, Query
 from gateway.deps import AdminOrPrincipalDep, ResourcesDep, limit_requests
 from gateway.errors import InvalidRequest
 from gateway.usage import service
-from gateway.usage.protocol import CompletionsUsageResult, CostsResult, UsagePage, UsageQuery
+from gateway.usage.protocol import (
+    CaptureStorageUsageResult,
+    CompletionsUsageResult,
+    CostsResult,
+    UsagePage,
+    UsageQuery,
+)
 
 router = APIRouter(prefix="/v1/organization", tags=["usage"])
 
@@ -31,7 +38,7 @@ async def usage_query(
     page: str | None = None,
     organization_id: str | None = None,
 ) -> UsageQuery:
-    """The query of both routes, for the admin key's named organisation or the calling key's own (whatever
+    """The query of every route, for the admin key's named organisation or the calling key's own (whatever
     it names). An organisation's key takes one request from its request bucket, as `RequestLimitDep` does
     on the other routes of a key (that dependency would refuse the admin key, which no per-key bucket
     limits)."""
@@ -64,6 +71,13 @@ async def usage_completions(
     api_key_ids: Annotated[list[str] | None, Query(alias="api_key_ids[]")] = None,
 ) -> UsagePage[CompletionsUsageResult]:
     return await service.completions(res.pool, query, models=models, api_key_ids=api_key_ids)
+
+
+@router.get("/usage/capture_storage")
+async def usage_capture_storage(
+    res: ResourcesDep, query: UsageQueryDep
+) -> UsagePage[CaptureStorageUsageResult]:
+    return await service.capture_storage(res.pool, query)
 
 
 @router.get("/costs")

@@ -15,8 +15,10 @@ import asyncpg
 
 from gateway.errors import InvalidRequest
 from gateway.settings import Settings
-from gateway.usage import store
+from gateway.usage import storage, store
 from gateway.usage.pricing import (
+    capture_storage_cost,
+    gb_months,
     input_cost,
     output_cost,
     training_cost,
@@ -25,6 +27,7 @@ from gateway.usage.pricing import (
 )
 from gateway.usage.protocol import (
     Bucket,
+    CaptureStorageUsageResult,
     CompletionsUsageResult,
     CostAmount,
     CostsLineItem,
@@ -137,9 +140,25 @@ async def completions(
     return _page(buckets, page_end, has_more)
 
 
+async def capture_storage(pool: asyncpg.Pool, query: UsageQuery) -> UsagePage[CaptureStorageUsageResult]:
+    """`GET /v1/organization/usage/capture_storage`: byte-seconds of bytes kept in capture, per bucket."""
+    if query.group_by:
+        raise InvalidRequest("group_by is not supported for capture storage.", param="group_by")
+    width, first, page_end, _, _, has_more = _window(
+        query.start_time, query.end_time, query.bucket_width, query.limit, query.page
+    )
+    rows = await storage.buckets(pool, org_id=query.organization_id, width=width, start=first, end=page_end)
+    buckets: list[Bucket[CaptureStorageUsageResult]] = _buckets(first, page_end, width)
+    by_start = {b.start_time: b for b in buckets}
+    for r in rows:
+        result = CaptureStorageUsageResult(byte_seconds=r.byte_seconds, gb_months=gb_months(r.byte_seconds))
+        by_start[int(r.bucket.timestamp())].results.append(result)
+    return _page(buckets, page_end, has_more)
+
+
 async def costs(pool: asyncpg.Pool, settings: Settings, query: UsageQuery) -> UsagePage[CostsResult]:
     """`GET /v1/organization/costs`: amounts from the price table; `group_by=line_item` splits them into
-    `<base model>, input|output|training tokens|training hours`."""
+    `<base model>, input|output|training tokens|training hours` and `capture storage`."""
     bad = [g for g in query.group_by if g != "line_item"]
     if bad:
         raise InvalidRequest(f"group_by supports line_item, not {bad[0]}.", param="group_by")
@@ -149,6 +168,7 @@ async def costs(pool: asyncpg.Pool, settings: Settings, query: UsageQuery) -> Us
     done, trained = await store.cost_inputs(
         pool, org_id=query.organization_id, width=width, start=first, end=page_end
     )
+    kept = await storage.buckets(pool, org_id=query.organization_id, width=width, start=first, end=page_end)
     lines: dict[int, dict[str, tuple[float, float, str]]] = defaultdict(dict)
 
     def add(bucket: datetime, item: str, amount: float, quantity: float, unit: str) -> None:
@@ -188,6 +208,14 @@ async def costs(pool: asyncpg.Pool, settings: Settings, query: UsageQuery) -> Us
             training_time_cost(settings, model, t.training_seconds),
             hours,
             "hours",
+        )
+    for k in kept:
+        add(
+            k.bucket,
+            "capture storage",
+            capture_storage_cost(settings, k.byte_seconds),
+            gb_months(k.byte_seconds),
+            "GB-months",
         )
     buckets: list[Bucket[CostsResult]] = _buckets(first, page_end, width)
     for b in buckets:

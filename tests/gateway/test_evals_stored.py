@@ -20,6 +20,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.capture import store as capture_store
 from gateway.db import create_pool
 from gateway.evals import stored
 from gateway.evals.stored_source import STORED_ITEM_SCHEMA
@@ -280,15 +281,11 @@ async def test_a_later_turn_of_an_episode_is_an_item_with_its_whole_messages(
     _stored_all(org, ids, only=False)
     pool = await create_pool(gw.settings.database_url or "", min_size=1, max_size=1)
     try:
-        kept = await pool.fetch(
-            "SELECT id, messages_prefix, request -> 'messages' AS messages FROM captured_completions "
-            "WHERE organization_id = $1 AND id = ANY($2::text[]) ORDER BY seq",
-            org.org_id,
-            ids,
-        )
+        kept = await capture_store.by_ids(pool, org_id=org.org_id, ids=ids)  # as stored (`codec`)
     finally:
         await pool.close()
-    assert [(r["id"], r["messages_prefix"], r["messages"]) for r in kept] == [
+    kept.sort(key=lambda r: ids.index(r.id))
+    assert [(r.id, r.messages_prefix, r.request["messages"]) for r in kept] == [
         (one.id, 0, first),
         (two.id, 1, second[1:]),  # the second turn keeps the messages after the first turn's
     ]
