@@ -53,6 +53,7 @@ from gateway.capture.scoring_protocol import (
     ScoreResponse,
 )
 from gateway.capture.sequences import rebuild
+from gateway.capture.store import CapturedRow
 from gateway.deps import Caller, Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, NotFound, not_found
 from gateway.evals.grading import grade_item
@@ -158,6 +159,27 @@ async def _selected(res: Resources, org_id: str, body: ScoreRequest) -> list[Epi
     return found
 
 
+def _answer(response: dict[str, Any]) -> dict[str, Any] | None:
+    """A call's first choice as an assistant message (a text completion's `text` as its content)."""
+    choices = response.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        return None
+    message = choice.get("message")
+    if isinstance(message, dict):
+        return message
+    text = choice.get("text")
+    return {"role": "assistant", "content": text} if isinstance(text, str) else None
+
+
+def _messages(row: CapturedRow, turn_messages: list[Any]) -> list[Any]:
+    """A call's messages (a text completion's string prompt as one user message)."""
+    prompt = row.request.get("prompt")
+    if not turn_messages and isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return turn_messages
+
+
 async def _view(res: Resources, org_id: str, episode: EpisodeRow) -> View:
     async with res.pool.acquire() as conn:
         records = await store.episode_records(conn, org_id=org_id, episode_id=episode.id)
@@ -169,16 +191,13 @@ async def _view(res: Resources, org_id: str, episode: EpisodeRow) -> View:
     if not records:
         return View(episode.id, metadata, [], [], None, earlier)
     turns = rebuild(records)
-    last = records[-1]
-    choices = last.response.get("choices")
-    first_choice = choices[0] if isinstance(choices, list) and choices else {}
-    answer = first_choice.get("message") if isinstance(first_choice, dict) else None
+    first, last = records[0], records[-1]
     return View(
         episode.id,
         metadata,
-        turns[records[0].id].messages,
-        turns[last.id].messages,
-        answer if isinstance(answer, dict) else None,
+        _messages(first, turns[first.id].messages),
+        _messages(last, turns[last.id].messages),
+        _answer(last.response),
         earlier,
     )
 
