@@ -4,19 +4,21 @@ An agent holds one conversation of `TURNS` turns with `tiny-chat` through the ga
 behind it, capture on for its organisation, the episode named by `X-Episode-Id`): each turn sends every
 message so far plus a new question, as agents do, so the prompts grow and a record of each call as it was
 sent would hold the conversation again every turn. Capture stores each call as a delta on the turn it
-extends (`gateway.capture.sequences`). Once the records are written, the bench reads them back and compares:
+extends (`gateway.capture.sequences`), and keeps of it only what cannot be derived, token ids as varints and
+logprobs as float32 (`gateway.capture.codec`). Once the records are written, the bench reads them back and
+compares:
 
-- **stored**: the bytes the episode's records store (`stored_bytes`: their JSON fields as written: request,
-  response, metadata, prompt and completion token ids, log-probabilities);
-- **final sequence, once**: the bytes of one record of the last call made whole (every message, the whole
-  prompt's ids, its answer), plus the log-probabilities of every token the episode sampled (what training
-  on the final sequence needs, and the only thing the records keep once per turn by design);
-- **whole records**: the bytes had every call been stored whole (what storing each request as sent costs).
+- **stored**: the bytes the episode's records store (`stored_bytes`, what metering bills: their JSON columns
+  as written and their binary ones, and the episode's base settings once);
+- **the final sequence, once**: the last call as one record of its own, whole (every message, the whole
+  prompt's ids, its sampled ids, its answer and settings), encoded as records are stored, plus a float32
+  logprob for every token the episode sampled before it (what training on the final sequence needs). This
+  is the baseline of the issue's aim (stored at most 1.2 times it); the same in JSON is shown beside it;
+- **every call whole, in JSON**: what storing each request as sent, as the old form did, would cost.
 
 `python -m bench.episode_bytes [--quick]` prints the report and the ratios: token ids stored over the
 final sequence's (each id is stored once: 1.00 without segment breaks), and bytes stored over the final
-sequence kept once (the aim is at most 1.2; each call's own JSON, its settings and its answer, is what is
-left above that).
+sequence kept once.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 
 from bench.common import Options, free_port, ratio
 from bench.stack import Process, Services, bench_settings, make_tenant, start_gateway
@@ -56,9 +59,8 @@ def _conversation(client: Any, episode: str, turns: int) -> None:
 
 
 async def _measure(database_url: str, org_id: str, episode: str, turns: int) -> dict[str, Any]:
-    from gateway.capture import store
+    from gateway.capture import codec, store
     from gateway.capture.sequences import rebuild
-    from gateway.capture.store import stored_bytes
     from gateway.db import create_pool
 
     pool = await create_pool(database_url, max_size=1)
@@ -69,6 +71,17 @@ async def _measure(database_url: str, org_id: str, episode: str, turns: int) -> 
             if len(records) >= turns or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
+        base = await pool.fetchval(
+            "SELECT settings FROM capture_request_bases WHERE organization_id = $1 AND episode_id = $2",
+            org_id,
+            episode,
+        )
+        forms = await pool.fetch(
+            "SELECT form, count(*) AS n FROM captured_completions"
+            " WHERE organization_id = $1 AND episode_id = $2 GROUP BY form",
+            org_id,
+            episode,
+        )
     finally:
         await pool.close()
     turns_whole = rebuild(records)
@@ -80,40 +93,55 @@ async def _measure(database_url: str, org_id: str, episode: str, turns: int) -> 
             previous_id=None,
             prompt_prefix_tokens=0,
             messages_prefix=0,
+            segment_break=None,
         )
         for r in records
     ]
     last = whole[-1]
-    all_logprobs = [lp for r in records for lp in (r.logprobs[0] if r.logprobs else [])]
-    earlier_logprobs = all_logprobs[: len(all_logprobs) - len(last.logprobs[0] if last.logprobs else [])]
-    import orjson
-
-    final_once = stored_bytes(last) + len(orjson.dumps(earlier_logprobs))
-    fields: tuple[str, ...] = ("request", "response", "metadata", "prompt_token_ids")
-    fields += ("completion_token_ids", "logprobs", "segment_break")
-    by_field = {
-        name: sum(len(orjson.dumps(getattr(r, name))) for r in records if getattr(r, name) is not None)
-        for name in fields
-    }
+    sampled = sum(len(r.logprobs[0]) if r.logprobs else 0 for r in records)
+    last_sampled = len(last.logprobs[0]) if last.logprobs else 0
+    # The final sequence once, in the encoding records are stored in: the last call as one record of its own
+    # (form 1, whole: every message, the whole prompt's ids, its answer and settings), plus a float32 logprob
+    # for every token the episode sampled before it.
+    final_once = store.stored_bytes(last) + 4 * (sampled - last_sampled)
+    by_id = {r.id: r for r in records}
+    by_field: dict[str, int] = {}
+    for r in records:
+        previous = by_id.get(r.previous_id) if r.previous_id is not None else None
+        answer = codec.answer_of(previous.response) if previous is not None else None
+        values, _ = codec.encode(r, base=base, previous_answer=answer)
+        for name, value in values.items():
+            if name in codec.JSON_COLUMNS or name in codec.BINARY_COLUMNS:
+                by_field[name] = by_field.get(name, 0) + len(value or "")
+    by_field["episode base settings"] = len(orjson.dumps(base)) if base is not None else 0
     stored = sum(r.stored_bytes for r in records)
-    whole_bytes = sum(stored_bytes(r) for r in whole)
+    whole_json = sum(_json_bytes(r) for r in whole)
     ids_stored = sum(
         len(r.prompt_token_ids or []) + len((r.completion_token_ids or [[]])[0]) for r in records
     )
     final_tokens = len(turns_whole[last.id].sequence or [])
     return {
         "turns": len(records),
+        "forms": {int(f["form"]): int(f["n"]) for f in forms},
         "token_ids_stored": ids_stored,
         "token_ids_over_final": ratio(ids_stored, final_tokens),
         "breaks": sum(r.segment_break is not None for r in records),
         "final_tokens": final_tokens,
         "stored_bytes": stored,
         "final_once_bytes": final_once,
-        "whole_records_bytes": whole_bytes,
-        "stored_by_field": by_field,
+        "final_once_json_bytes": _json_bytes(last)
+        + sum(len(orjson.dumps(r.logprobs[0])) for r in records[:-1] if r.logprobs),
+        "whole_records_json_bytes": whole_json,
+        "stored_by_field": {k: v for k, v in by_field.items() if v},
         "stored_over_final": ratio(stored, final_once),
-        "whole_over_final": ratio(whole_bytes, final_once),
+        "whole_over_final": ratio(whole_json, final_once),
     }
+
+
+def _json_bytes(row: Any) -> int:
+    """A record's bytes in the old form (migration 0018: every field as JSON)."""
+    names = ("request", "response", "metadata", "prompt_token_ids", "completion_token_ids", "logprobs")
+    return sum(len(orjson.dumps(getattr(row, n))) for n in (*names, "segment_break") if getattr(row, n))
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -159,17 +187,18 @@ def markdown(report: dict[str, Any]) -> list[str]:
         "|---|---|---|",
         f"| token ids stored (prompt deltas and sampled ids) | {report['token_ids_stored']:,} ids "
         f"| {report['token_ids_over_final']:.2f} |",
-        f"| bytes stored (deltas on the turn each call extends) | {report['stored_bytes']:,} "
+        f"| bytes stored (`stored_bytes` of the episode's records) | {report['stored_bytes']:,} "
         f"| {report['stored_over_final']:.2f} |",
-        f"| the final sequence once (the last call whole, and every sampled token's logprob) "
-        f"| {report['final_once_bytes']:,} | 1.00 |",
-        f"| every call stored whole, as sent | {report['whole_records_bytes']:,} "
+        f"| the final sequence once (the last call as one record of its own, whole, stored as records are, "
+        f"and a float32 logprob for each token sampled before it) | {report['final_once_bytes']:,} | 1.00 |",
+        f"| the same in JSON (the old form) | {report['final_once_json_bytes']:,} "
+        f"| {report['final_once_json_bytes'] / report['final_once_bytes']:.2f} |",
+        f"| every call stored whole, in JSON (each request as sent) | {report['whole_records_json_bytes']:,} "
         f"| {report['whole_over_final']:.2f} |",
         "",
-        "Bytes by field: "
+        "Bytes stored by column: "
         + ", ".join(f"{name} {size:,}" for name, size in report["stored_by_field"].items())
-        + ". Each token id is stored once; what a call adds beyond its tokens is its own JSON (the request's "
-        "settings and new messages, the answer as the client saw it, the sampled tokens' logprobs).",
+        + ".",
     ]
 
 
