@@ -16,7 +16,14 @@ Each sample carries the rewards posted for it (those of its episode, of its call
 advantage, which the Tinker form puts on its sampled tokens.
 
 A JSONL sample is also a training row: `input_ids` and `completion_mask` are what the supervised trainer
-reads from a file of such rows.
+reads from a file of such rows, and with `logprobs` and `advantage` what the offline reinforcement trainer
+reads (`trainer.offline_rl`).
+
+A sample's **staleness** (`drop_stale`) counts model versions: the versions that served the selected
+samples, ordered by the first call each served, the newest being the policy the data is brought up to; a
+sample is as stale as the oldest version among its calls. **Preference pairs** (`dpo_pairs`) match, within a
+group, a higher-rewarded sample (chosen) with a lower-rewarded one (rejected) that shares its prompt: the ids
+before its first sampled token.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Sample:
     reward: float | None
     metadata: dict[str, str]
     advantage: float = 0.0
+    served_at: float = 0.0
+    """Unix seconds of the chain's first call (versions are ordered by the first call each served)."""
 
 
 def _reward_out(r: RewardRow) -> dict[str, Any]:
@@ -117,9 +126,74 @@ def episode_samples(
                 ],
                 reward=reward,
                 metadata=metadata,
+                served_at=chain[0].created_at.timestamp(),
             )
         )
     return out, skipped
+
+
+def version_order(samples: Sequence[Sample]) -> list[str]:
+    """The model versions that served `samples`, oldest first: ordered by the first call each served."""
+    first: dict[str, float] = {}
+    for s in samples:
+        for version in s.served_versions:
+            first[version] = min(first.get(version, s.served_at), s.served_at)
+    return sorted(first, key=lambda v: (first[v], v))
+
+
+def drop_stale(samples: Sequence[Sample], max_staleness: int | None) -> tuple[list[Sample], int]:
+    """The samples no more than `max_staleness` versions older than the newest version that served the
+    selection (None: all), and how many were dropped. A sample is as old as its oldest call's version."""
+    if max_staleness is None:
+        return list(samples), 0
+    order = {v: i for i, v in enumerate(version_order(samples))}
+    newest = len(order) - 1
+    kept = [s for s in samples if newest - min(order[v] for v in s.served_versions) <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def prompt_length(s: Sample) -> int:
+    """Tokens before the sample's first sampled token (its prompt)."""
+    return s.completion_mask.index(1) if 1 in s.completion_mask else len(s.completion_mask)
+
+
+def dpo_pairs(samples: Sequence[Sample], group_by: str | None) -> list[dict[str, Any]]:
+    """Preference rows of token ids: within each group (the `group_by` metadata value; all samples when
+    None), each rewarded sample paired with every lower-rewarded one whose prompt ids are the same (and whose
+    sampled ids differ). `chosen_mask`/`rejected_mask` mark the sampled tokens of each continuation: the
+    loss is on those only."""
+    groups: dict[tuple[str | None, tuple[int, ...]], list[Sample]] = defaultdict(list)
+    for s in samples:
+        if s.reward is not None:
+            n = prompt_length(s)
+            groups[(s.metadata.get(group_by) if group_by else None, tuple(s.input_ids[:n]))].append(s)
+    rows: list[dict[str, Any]] = []
+    for (group, prompt), members in groups.items():
+        members = sorted(members, key=lambda s: -float(s.reward or 0.0))
+        for i, chosen in enumerate(members):
+            for rejected in members[i + 1 :]:
+                n = len(prompt)
+                if float(chosen.reward or 0.0) <= float(rejected.reward or 0.0):
+                    continue
+                if chosen.input_ids[n:] == rejected.input_ids[n:]:
+                    continue
+                rows.append(
+                    {
+                        "prompt_ids": list(prompt),
+                        "chosen_ids": chosen.input_ids[n:],
+                        "rejected_ids": rejected.input_ids[n:],
+                        "chosen_mask": chosen.completion_mask[n:],
+                        "rejected_mask": rejected.completion_mask[n:],
+                        "chosen_reward": chosen.reward,
+                        "rejected_reward": rejected.reward,
+                        "episode_ids": [chosen.episode_id, rejected.episode_id],
+                        "served_versions": list(
+                            dict.fromkeys(chosen.served_versions + rejected.served_versions)
+                        ),
+                        "group": group,
+                    }
+                )
+    return rows
 
 
 def set_advantages(samples: Sequence[Sample], group_by: str | None) -> None:

@@ -10,7 +10,14 @@ import orjson
 
 from gateway.capture import episodes_store, store
 from gateway.capture.episodes_store import EpisodeRow
-from gateway.capture.export import Sample, datum, episode_samples, jsonl_row, set_advantages
+from gateway.capture.export import (
+    Sample,
+    datum,
+    drop_stale,
+    episode_samples,
+    jsonl_row,
+    set_advantages,
+)
 from gateway.capture.protocol import ExportRequest, check_metadata
 from gateway.deps import Resources
 from gateway.errors import InvalidRequest, not_found
@@ -108,31 +115,43 @@ def _best_of_groups(samples: list[Sample], group_by: str | None) -> list[Sample]
     ]
 
 
+async def select(res: Resources, who: Principal, body: ExportRequest) -> tuple[list[Sample], int]:
+    """The samples `body` selects, with their advantages, and how many were dropped as stale
+    (`max_staleness`: stale samples are dropped before advantages are computed over the rest)."""
+    org_id = who.organization_id
+    samples: list[Sample] = []
+    for episode in await _selected_episodes(res, org_id, body):
+        samples += await _samples(res, org_id, episode, body.reward)
+    samples, stale = drop_stale(samples, body.max_staleness)
+    set_advantages(samples, body.group_by)
+    samples = [s for s in samples if _keep(s, body)]
+    if body.best_of_group:
+        samples = _best_of_groups(samples, body.group_by)
+    return samples, stale
+
+
+async def store_rows(res: Resources, who: Principal, rows: list[dict[str, Any]]) -> FileObject:
+    """JSONL rows made from captured samples, stored as a training file of the organisation."""
+    return await files_service.store_made(
+        res.pool,
+        res.blobs,
+        org_id=who.organization_id,
+        filename="captured-episodes.jsonl",
+        purpose="fine-tune",
+        data=b"".join(orjson.dumps(row) + b"\n" for row in rows),
+        lines=len(rows),
+    )
+
+
 async def many(res: Resources, who: Principal, body: ExportRequest) -> bytes | FileObject:
     """`POST /v1/episodes/export`: the selected episodes' samples as JSONL (one sample or datum a line), or
     stored as a training file (`purpose`)."""
     if body.purpose is not None and body.format != "jsonl":
         raise InvalidRequest("A training file holds JSONL samples: give format 'jsonl'.", param="format")
-    org_id = who.organization_id
-    samples: list[Sample] = []
-    for episode in await _selected_episodes(res, org_id, body):
-        samples += await _samples(res, org_id, episode, body.reward)
-    set_advantages(samples, body.group_by)
-    samples = [s for s in samples if _keep(s, body)]
-    if body.best_of_group:
-        samples = _best_of_groups(samples, body.group_by)
+    samples, _ = await select(res, who, body)
     make = datum if body.format == "tinker" else jsonl_row
-    data = b"".join(orjson.dumps(make(s)) + b"\n" for s in samples)
     if body.purpose is None:
-        return data
+        return b"".join(orjson.dumps(make(s)) + b"\n" for s in samples)
     if not samples:
         raise InvalidRequest("No captured sample matches: no training file was made.", param="purpose")
-    return await files_service.store_made(
-        res.pool,
-        res.blobs,
-        org_id=org_id,
-        filename="captured-episodes.jsonl",
-        purpose=body.purpose,
-        data=data,
-        lines=len(samples),
-    )
+    return await store_rows(res, who, [make(s) for s in samples])

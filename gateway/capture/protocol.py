@@ -221,6 +221,10 @@ class ExportRequest(OpenAIBaseModel):
     """Only samples with that thumbs feedback on one of their calls (and none the other way)."""
     group_by: str | None = Field(default=None, min_length=1, max_length=64)
     """The episode metadata key whose value groups samples, for advantages and `best_of_group`."""
+    max_staleness: int | None = Field(default=None, ge=0, le=1_000_000)
+    """Only samples served by a model version at most this many versions older than the newest version that
+    served the selection (versions ordered by the first call each served; null: every sample). Stale samples
+    are dropped before advantages are computed."""
     limit: int = Field(default=1000, ge=1, le=MAX_EXPORT_EPISODES)
     """At most this many episodes, oldest first."""
     purpose: Literal["fine-tune"] | None = None

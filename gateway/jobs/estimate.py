@@ -34,8 +34,9 @@ def _file_ids(body: JobCreate) -> tuple[str, str | None]:
 async def _pilot(
     res: Resources, caller: Caller, body: JobCreate, hp: AnyHyperparameters, training: Path
 ) -> pilot.Pilot | None:
-    """A reinforcement job's pilot (None for the other methods)."""
-    if not isinstance(hp, ReinforcementHyperparameters):
+    """A reinforcement job's pilot (None for the other methods, and for one trained offline on captured
+    episodes: it samples nothing)."""
+    if not isinstance(hp, ReinforcementHyperparameters) or body.capture is not None:
         return None
     settings = res.settings
     pick = functools.partial(pilot.pick_prompts, training, max_line_bytes=settings.max_jsonl_line_bytes)

@@ -148,6 +148,11 @@ def _row_counts(tokenizer: Any, kind: str, rows: Iterator[tuple[int, dict]], max
 
 
 def _row_count(tokenizer: Any, kind: str, row: dict[str, Any], max_length: int) -> int:
+    if "input_ids" in row:  # token ids (captured episodes): counted as they are
+        return min(len(row["input_ids"]), max_length)
+    if "prompt_ids" in row:  # a preference pair of token ids
+        n = len(row["prompt_ids"])
+        return sum(min(n + len(row[key]), max_length) for key in ("chosen_ids", "rejected_ids"))
     if kind == "supervised":
         return min(_length(tokenizer, chat(row["messages"]), tools=row.get("tools") or None), max_length)
     if kind == "dpo":

@@ -46,7 +46,7 @@ class JobCreate(OpenAIBaseModel):
     @cached_property
     def job_method(self) -> JobMethod:
         """The typed method (`gateway.jobs.method`); a 400 naming the request's field when it is not one."""
-        return parse_method(self.method, self.hyperparameters)
+        return parse_method(self.method, self.hyperparameters, captured=self.capture is not None)
 
     @property
     def hyperparameters_param(self) -> str:

@@ -7,6 +7,7 @@ files' sizes and the base model's measured defaults, so the job object shows the
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,9 +113,13 @@ def check_grader(grader: Any, param: str) -> None:
         raise InvalidRequest(exc.message, param=exc.param or param, code=exc.code) from None
 
 
-def parse_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -> JobMethod:
+def parse_method(
+    method: dict[str, Any] | None, legacy: dict[str, Any] | None, *, captured: bool = False
+) -> JobMethod:
     """The typed method of a create (legacy top-level `hyperparameters` mean supervised), each problem a 400
-    naming the request's field. The hyperparameters are all set (those not given `"auto"`), as stored."""
+    naming the request's field. The hyperparameters are all set (those not given `"auto"`), as stored.
+    `captured`: the job trains on captured episodes, whose rewards are posted already: a reinforcement
+    method then takes neither a grader nor an environment."""
     if method is None:
         hp = check_hyperparameters("supervised", legacy or {}, "hyperparameters")
         return METHOD.validate_python({"type": "supervised", "supervised": {"hyperparameters": _all_set(hp)}})
@@ -130,7 +135,16 @@ def parse_method(method: dict[str, Any] | None, legacy: dict[str, Any] | None) -
         kind, body.get("hyperparameters") or legacy or {}, f"method.{kind}.hyperparameters"
     )
     typed: dict[str, Any] = {"hyperparameters": _all_set(hp)}
-    if kind == "reinforcement":
+    if kind == "reinforcement" and captured:
+        if body.get("grader") is not None or body.get("environment") is not None:
+            raise InvalidRequest(
+                "A reinforcement job from captured episodes trains on the rewards already posted for them: "
+                "give no grader or environment.",
+                param="method.reinforcement.grader"
+                if body.get("grader") is not None
+                else "method.reinforcement.environment",
+            )
+    elif kind == "reinforcement":
         grader, env = body.get("grader"), body.get("environment")
         if (grader is None) == (env is None):
             raise InvalidRequest(
@@ -201,10 +215,64 @@ def _check_token_row(row: dict[str, Any], line: int) -> int:
     return 4 * len(ids)
 
 
+def _ids(value: Any, line: int, name: str, least: int = 1) -> list[int]:
+    if not isinstance(value, list) or len(value) < least or not all(type(i) is int and i >= 0 for i in value):
+        raise RowError(
+            line, f"'{name}' must be a list of at least {least} token ids (non-negative integers)."
+        )
+    return value
+
+
+def _mask(value: Any, ids: list[int], line: int, name: str, of: str) -> list[int]:
+    if not isinstance(value, list) or len(value) != len(ids) or any(m not in (0, 1) for m in value):
+        raise RowError(line, f"'{name}' must be a list of 0 and 1, one for each of '{of}'.")
+    return value
+
+
+def _check_pair_row(row: dict[str, Any], line: int) -> int:
+    """A preference pair of token ids (`prompt_ids`, `chosen_ids`, `rejected_ids` and their masks: what a
+    dpo job from captured episodes trains on)."""
+    prompt = _ids(row.get("prompt_ids"), line, "prompt_ids")
+    size = len(prompt)
+    for side in ("chosen", "rejected"):
+        ids = _ids(row.get(f"{side}_ids"), line, f"{side}_ids")
+        mask = row.get(f"{side}_mask", [1] * len(ids))
+        if not any(_mask(mask, ids, line, f"{side}_mask", f"{side}_ids")):
+            raise RowError(line, f"'{side}_mask' marks no token to train on.")
+        size += len(ids)
+    return 4 * size
+
+
+def _check_episode_row(row: dict[str, Any], line: int) -> int:
+    """A logged episode's sample (a capture export's, with the sampler's `logprobs` and the sample's
+    `advantage`): what a reinforcement job from captured episodes trains on offline."""
+    size = _check_token_row(row, line)
+    logprobs = row.get("logprobs")
+    if not isinstance(logprobs, list) or len(logprobs) != len(row["input_ids"]):
+        raise RowError(
+            line, "'logprobs' must be a list of the sampler's logprobs, one for each of 'input_ids'."
+        )
+    for lp in logprobs:
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 0
+        ):
+            raise RowError(line, "'logprobs' holds a value that is not a log-probability (a number <= 0).")
+    if not any(lp is not None for lp, m in zip(logprobs, row["completion_mask"], strict=True) if m):
+        raise RowError(line, "'logprobs' holds no logprob of a sampled token.")
+    advantage = row.get("advantage")
+    if isinstance(advantage, bool) or not isinstance(advantage, int | float) or not math.isfinite(advantage):
+        raise RowError(line, "'advantage' must be a finite number.")
+    return size
+
+
 def check_row(kind: str, row: dict[str, Any], line: int) -> int:
     """Check one row against its method's format; returns a rough size in characters (for estimates)."""
     if kind == "supervised" and "input_ids" in row:
         return _check_token_row(row, line)
+    if kind == "dpo" and "prompt_ids" in row:
+        return _check_pair_row(row, line)
+    if kind == "reinforcement" and "input_ids" in row:
+        return _check_episode_row(row, line)
     if kind == "supervised":
         msgs = _check_messages(row.get("messages"), line, "messages")
         if not any(m["role"] == "assistant" for m in msgs):
@@ -239,9 +307,10 @@ def check_training_file(path: Path, kind: str, *, max_line_bytes: int) -> Datase
     for line, row in read_rows(path, max_line_bytes=max_line_bytes):
         chars += check_row(kind, row, line)
         rows += 1
+        of_ids = "input_ids" in row or "prompt_ids" in row
         if tokens is None:
-            tokens = "input_ids" in row
-        elif tokens != ("input_ids" in row):
+            tokens = of_ids
+        elif tokens != of_ids:
             raise RowError(line, "rows of token ids ('input_ids') and rows of messages cannot share a file.")
     if rows == 0:
         raise RowError(1, "the file has no examples.")
