@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from inference.api import generate, health, lora
+from inference.api import generate, health, lora, tokenize
 from inference.api import models as model_list
 from inference.api.errors import add_error_handlers
 from inference.options import EngineOptions
@@ -40,6 +40,6 @@ def create_app(models: dict[str, str], options: EngineOptions | None = None) -> 
     app = FastAPI(title="tunegate engine", lifespan=lifespan)
     app.state.models = served
     add_error_handlers(app)
-    for api in (health, model_list, generate, lora):
+    for api in (health, model_list, generate, lora, tokenize):
         app.include_router(api.router)
     return app

@@ -4,9 +4,14 @@ A request is translated into a chat completion (`gateway.serving.anthropic`) and
 itself (`gateway.serving.bridge`): model resolution, limits, budgets, metering and capture are chat's. The
 key comes as Anthropic's SDK sends it (`x-api-key`) or as a bearer token; errors on this route are
 Anthropic's shape (`{"type": "error", "error": {...}}`, OpenAI's fields inside).
+
+`POST /v1/messages/count_tokens` answers `{"input_tokens": N}`: the request rendered as its chat completion
+would be, counted by an engine of the model's base (its `/tokenize`), neither metered nor billed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
@@ -15,9 +20,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway.deps import Resources
 from gateway.errors import AuthenticationFailed, as_api_error
-from gateway.serving import anthropic, bridge
+from gateway.serving import anthropic, bridge, service
+from gateway.serving.engines import Target
 from gateway.serving.protocol import json_object
-from gateway.tenancy.keys import bearer_token
+from gateway.tenancy.keys import Principal, bearer_token
 
 router = APIRouter(prefix="/v1", tags=["messages"])
 
@@ -38,8 +44,10 @@ def _headers(scope: Scope) -> list[tuple[bytes, bytes]]:
 class _Messages(Response):
     """The answer of `POST /v1/messages`, served as ASGI (the body is read here, not by FastAPI)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = False) -> None:
         super().__init__()
+        self.count = count
+        """`POST /v1/messages/count_tokens`: the request's input tokens, not its answer."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
@@ -53,8 +61,15 @@ class _Messages(Response):
             res: Resources = scope["app"].state.resources
             body = await bridge.read_body(receive)
             headers = _headers(scope)
-            await res.auth.authenticate(bearer_token(bridge.header({"headers": headers}, b"authorization")))
+            who = await res.auth.authenticate(
+                bearer_token(bridge.header({"headers": headers}, b"authorization"))
+            )
             request = json_object(body)
+            if self.count:
+                out = orjson.dumps({"input_tokens": await _count(res, who, request)})
+                await send(bridge.json_start(200, [], len(out)))
+                await send({"type": "http.response.body", "body": out})
+                return
             chat = anthropic.to_chat(request)
             translator = anthropic.MessagesTranslator(request)
             await bridge.serve_as_chat(scope, receive, tracked, chat, translator, headers=headers)
@@ -71,3 +86,18 @@ class _Messages(Response):
 @router.post("/messages", response_model=None)
 async def create_message(request: Request) -> Response:
     return _Messages()
+
+
+@router.post("/messages/count_tokens", response_model=None)
+async def count_tokens(request: Request) -> Response:
+    return _Messages(count=True)
+
+
+async def _count(res: Resources, who: Principal, request: dict[str, Any]) -> int:
+    """The input tokens of a Messages request on its model, counted by an engine of its base model."""
+    chat = anthropic.to_chat({**request, "max_tokens": 1})
+    target = await service.resolve(res, who, str(chat.get("model") or ""))
+    body = {"model": target.base_model, "messages": chat["messages"]}
+    if chat.get("tools"):
+        body["tools"] = chat["tools"]
+    return await service.count_tokens(res, Target(target.model_id, target.base_model), orjson.dumps(body))

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 from starlette.types import Send
 
 from gateway.capture.recorder import Capture
@@ -123,6 +124,23 @@ async def _open(res: Resources, path: str, target: Target, body: bytes) -> tuple
         f"The inference engine for model '{target.model_id}' is unavailable. Please retry shortly.",
         headers={"retry-after": "1"},
     )
+
+
+async def count_tokens(res: Resources, target: Target, body: bytes) -> int:
+    """The prompt tokens of a `/tokenize` request body (a chat's messages and tools) on an engine of the
+    target's base model (`target` names no adapter: every adapter of a base shares its tokenizer)."""
+    up, resp = await _open(res, "/tokenize", target, body)
+    try:
+        raw = await resp.read()
+    except UpstreamBroken as exc:
+        raise ServiceUnavailable(f"The inference engine failed while counting tokens: {exc}") from None
+    finally:
+        up.release(None)
+        await resp.aclose()
+    count = orjson.loads(raw).get("count")
+    if not isinstance(count, int):
+        raise ServiceUnavailable("The inference engine answered no token count.")
+    return count
 
 
 async def _admit(res: Resources, who: Principal, proxy: ProxyRequest, target: Target) -> Admission | None:

@@ -3,6 +3,7 @@
 - ``generate``: ``/v1/chat/completions`` and ``/v1/completions``, JSON or server-sent events.
 - ``models``: ``/v1/models``.
 - ``lora``: vLLM's runtime LoRA endpoints, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``.
+- ``tokenize``: vLLM's ``/tokenize`` (a chat's or a text's token ids).
 - ``health``: ``/health``, ``/v1/engine/stats`` and the Prometheus ``/metrics``.
 - ``errors``: every failure as OpenAI's error envelope.
 

@@ -115,6 +115,24 @@ def test_plain_message_is_the_chat_answer(gw: GatewayServer, org: Tenant) -> Non
     _check_plain(gw, org, BASE)
 
 
+def _check_count(gateway: GatewayServer, t: Tenant) -> None:
+    """`count_tokens` through the SDK: the input tokens the same request is then billed for, with tools
+    too; an unknown model is Anthropic's 404."""
+    client = _client(gateway, t)
+    for tools in ([], [TOOL]):
+        asked: Any = {"model": BASE, "system": SYSTEM, "messages": ASK, **({"tools": tools} if tools else {})}
+        counted = client.messages.count_tokens(**asked)
+        made = client.messages.create(**asked, max_tokens=2, extra_body=GREEDY)
+        assert counted.input_tokens == made.usage.input_tokens > 0, tools
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.count_tokens(model="no-such-model", messages=ASK)
+    assert missing.value.body["error"]["code"] == "model_not_found"  # type: ignore[index]
+
+
+def test_count_tokens_is_what_the_message_is_billed_for(gw: GatewayServer, org: Tenant) -> None:
+    _check_count(gw, org)
+
+
 def test_max_tokens_and_stop_sequences(gw: GatewayServer, org: Tenant) -> None:
     client = _client(gw, org)
     short = client.messages.create(model=BASE, max_tokens=1, messages=ASK, extra_body=GREEDY)
@@ -385,6 +403,9 @@ def test_metered_like_chat(gw: GatewayServer, gw_admin: Admin) -> None:
     whole = client.messages.create(model=BASE, max_tokens=6, messages=ASK, extra_body=GREEDY)
     with client.messages.stream(model=BASE, max_tokens=32, messages=ASK, extra_body=GREEDY) as stream:
         streamed = stream.get_final_message()
+    assert (
+        client.messages.count_tokens(model=BASE, messages=ASK).input_tokens > 0
+    )  # neither metered nor billed
     want = {
         "input_tokens": whole.usage.input_tokens + streamed.usage.input_tokens,
         "output_tokens": whole.usage.output_tokens + streamed.usage.output_tokens,
@@ -456,11 +477,12 @@ def test_episode_header_is_captured(gw: GatewayServer, gw_admin: Admin) -> None:
 
 
 def test_with_vllm(vllm_gw: GatewayServer) -> None:
-    """On vLLM: the plain answer is chat's, streamed it is the same, a stop sequence is named, and capture
-    works alike."""
+    """On vLLM: the plain answer is chat's, streamed it is the same, a stop sequence is named, tokens are
+    counted by vLLM's own `/tokenize`, and capture works alike."""
     admin = admin_of(vllm_gw)
     t = admin.tenant("messages-vllm-" + secrets.token_hex(3))
     _check_plain(vllm_gw, t, BASE)
+    _check_count(vllm_gw, t)
     client = _client(vllm_gw, t)
     whole = client.messages.create(model=BASE, max_tokens=32, messages=ASK, extra_body=GREEDY)
     with client.messages.stream(model=BASE, max_tokens=32, messages=ASK, extra_body=GREEDY) as stream:
