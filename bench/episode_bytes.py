@@ -4,9 +4,9 @@ An agent holds one conversation of `TURNS` turns with `tiny-chat` through the ga
 behind it, capture on for its organisation, the episode named by `X-Episode-Id`): each turn sends every
 message so far plus a new question, as agents do, so the prompts grow and a record of each call as it was
 sent would hold the conversation again every turn. Capture stores each call as a delta on the turn it
-extends (`gateway.capture.sequences`), and keeps of it only what cannot be derived, token ids as varints and
-logprobs as float32 (`gateway.capture.codec`). Once the records are written, the bench reads them back and
-compares:
+extends (`gateway.capture.sequences`), and keeps of it only what cannot be derived, token ids as 16-bit (or
+32-bit) integers and logprobs as float32 (`gateway.capture.codec`). Once the records are written, the bench
+reads them back and compares:
 
 - **stored**: the bytes the episode's records store (`stored_bytes`, what metering bills: their JSON columns
   as written and their binary ones, and the episode's base settings once);

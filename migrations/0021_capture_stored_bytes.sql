@@ -3,7 +3,8 @@
 
 -- Form 0: every field as JSON, as migrations 0018-0019 wrote them (rows written before this migration keep
 -- it and read as they did). Form 1: only what the other columns do not give back (`derived` says which
--- fields are left out), token ids as varints and logprobs as float32 in the binary columns.
+-- fields are left out), token ids as 16- or 32-bit integers and logprobs as float32 in the binary
+-- columns.
 ALTER TABLE captured_completions ADD COLUMN form smallint NOT NULL DEFAULT 0;
 ALTER TABLE captured_completions ADD COLUMN derived integer NOT NULL DEFAULT 0;
 ALTER TABLE captured_completions ADD COLUMN prompt_ids bytea;

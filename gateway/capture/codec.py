@@ -9,19 +9,23 @@ exactly, from a record in either form:
     `derived` saying so). When nothing but `choices` is left, the column holds the choices alone (a JSON
     array) and each choice that is the usual one (index, an assistant message with text and no refusal, no
     logprobs, the record's finish reason) is its text alone;
-  - `request`: the body without `model` when it is the record's model;
+  - `request`: the body without `model` when it is the record's model, without the settings equal to its
+    episode's base (`encode`), and without a first message that repeats the answer of the turn it extends;
   - `segment_break`: without the turn id (`extends` or `previous_id`) that is the record's `previous_id`;
-  - `prompt_ids`: the prompt's ids as unsigned LEB128 varints (`bytea`); `completion_ids`: per choice, its
-    length then its ids; `logprob_values`: per choice, its length then little-endian float32s (a logprob
+  - `prompt_ids`: the prompt's ids as little-endian unsigned integers of 16 bits (32 when one id needs it),
+    after a byte that says which (`bytea`); `completion_ids`: that byte, then per choice its length (a
+    varint) and its ids; `logprob_values`: per choice, its length then little-endian float32s (a logprob
     comes back within float32 precision, which is what the engines compute them in). A value that does not
-    fit (an id that is not a non-negative integer, a logprob that is not a number) keeps its JSON column.
+    fit (an id that is not a non-negative integer under 2**32, a logprob that is not a number) keeps its
+    JSON column.
 
 `stored_bytes` is what the record keeps of the call: its JSON columns as written plus its binary ones.
 """
 
 from __future__ import annotations
 
-import struct
+import sys
+from array import array
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -65,8 +69,15 @@ stamps its answer a second or so after the gateway took the request."""
 CREATED_OFFSETS = range(-8, 8)
 
 
+_SCALARS = (str, int, float, bool, type(None))
+
+
 def _same(a: Any, b: Any) -> bool:
     """Equal as JSON (`1` and `1.0`, `true` and `1` differ)."""
+    if type(a) is not type(b):
+        return False
+    if type(a) in _SCALARS:
+        return bool(a == b)
     return bool(orjson.dumps(a, option=orjson.OPT_SORT_KEYS) == orjson.dumps(b, option=orjson.OPT_SORT_KEYS))
 
 
@@ -105,85 +116,126 @@ def usual_choice(index: int, content: str, finish_reason: str | None) -> dict[st
 
 
 # ---- binary ----------------------------------------------------------------------------------------------
-def _varints(values: list[int], out: bytearray) -> None:
-    for v in values:
-        while v >= 0x80:
-            out.append((v & 0x7F) | 0x80)
-            v >>= 7
-        out.append(v)
+# Token ids as little-endian unsigned integers of one width (a first byte: 2 when every id fits 16 bits, else
+# 4), logprobs as little-endian float32; a list of lists is each list's length (a varint) and then its values.
+# `array` packs and unpacks them in C: the writer encodes on the gateway's event loop.
+_LITTLE = sys.byteorder == "little"
 
 
-def _read_varints(data: bytes, start: int, count: int | None) -> tuple[list[int], int]:
-    """`count` varints from `start` (every one to the end when None), and the offset after them."""
-    values: list[int] = []
-    value = shift = 0
-    i, end = start, len(data)
-    while i < end and (count is None or len(values) < count):
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte & 0x80:
-            shift += 7
-        else:
-            values.append(value)
-            value = shift = 0
-    return values, i
-
-
-def _ids_ok(ids: Any) -> bool:
-    return isinstance(ids, list) and all(type(v) is int and v >= 0 for v in ids)
-
-
-def pack_ids(ids: list[int]) -> bytes:
+def _count(n: int) -> bytes:
+    """A length as an unsigned LEB128 varint."""
     out = bytearray()
-    _varints(ids, out)
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
     return bytes(out)
 
 
+def _read_count(data: bytes, i: int) -> tuple[int, int]:
+    """The varint at `i`, and the offset after it."""
+    n = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        n |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return n, i
+        shift += 7
+
+
+def _bytes(values: array[Any]) -> bytes:
+    if not _LITTLE:
+        values.byteswap()
+    return values.tobytes()
+
+
+def _values(typecode: str, data: bytes | memoryview) -> list[Any]:
+    values = array(typecode)
+    values.frombytes(data)
+    if not _LITTLE:
+        values.byteswap()
+    return values.tolist()
+
+
+def _id_array(ids: Any, wide: bool) -> array[int] | None:
+    """`ids` as an array of the width, or None when they are not all non-negative integers that fit."""
+    try:
+        return array("I" if wide else "H", ids)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _wide(lists: list[Any]) -> bool:
+    try:
+        return any(ids and max(ids) > 0xFFFF for ids in lists)
+    except TypeError:
+        return False
+
+
+def pack_ids(ids: list[int]) -> bytes | None:
+    """The ids packed, or None when they are not token ids (a list of non-negative integers under 2**32)."""
+    if not isinstance(ids, list):
+        return None
+    wide = _wide([ids])
+    packed = _id_array(ids, wide)
+    return None if packed is None else bytes([4 if wide else 2]) + _bytes(packed)
+
+
 def unpack_ids(data: bytes) -> list[int]:
-    return _read_varints(data, 0, None)[0]
+    return _values("I" if data[0] == 4 else "H", memoryview(data)[1:]) if data else []
 
 
-def pack_id_lists(lists: list[list[int]]) -> bytes:
-    out = bytearray()
+def pack_id_lists(lists: list[list[int]]) -> bytes | None:
+    if not isinstance(lists, list) or not all(isinstance(ids, list) for ids in lists):
+        return None
+    wide = _wide(lists)
+    out = bytearray([4 if wide else 2])
     for ids in lists:
-        _varints([len(ids)], out)
-        _varints(ids, out)
+        packed = _id_array(ids, wide)
+        if packed is None:
+            return None
+        out += _count(len(ids)) + _bytes(packed)
     return bytes(out)
 
 
 def unpack_id_lists(data: bytes) -> list[list[int]]:
     out: list[list[int]] = []
-    i = 0
+    view = memoryview(data)
+    code, width = ("I", 4) if data and data[0] == 4 else ("H", 2)
+    i = 1
     while i < len(data):
-        (n,), i = _read_varints(data, i, 1)
-        ids, i = _read_varints(data, i, n)
-        out.append(ids)
+        n, i = _read_count(data, i)
+        out.append(_values(code, view[i : i + n * width]))
+        i += n * width
     return out
 
 
-def pack_float_lists(lists: list[list[float]]) -> bytes:
+def pack_float_lists(lists: list[list[float]]) -> bytes | None:
+    """Logprobs packed as float32, or None when they are not lists of finite numbers of float32's range."""
+    if not isinstance(lists, list):
+        return None
     out = bytearray()
     for values in lists:
-        _varints([len(values)], out)
-        out += struct.pack(f"<{len(values)}f", *values)
+        if not isinstance(values, list) or any(type(v) is bool for v in values):
+            return None
+        try:
+            packed = array("f", values)
+        except (TypeError, OverflowError):
+            return None
+        out += _count(len(values)) + _bytes(packed)
     return bytes(out)
 
 
 def unpack_float_lists(data: bytes) -> list[list[float]]:
     out: list[list[float]] = []
+    view = memoryview(data)
     i = 0
     while i < len(data):
-        (n,), i = _read_varints(data, i, 1)
-        out.append(list(struct.unpack_from(f"<{n}f", data, i)))
+        n, i = _read_count(data, i)
+        out.append(_values("f", view[i : i + 4 * n]))
         i += 4 * n
     return out
-
-
-def _floats_ok(lists: Any) -> bool:
-    return isinstance(lists, list) and all(
-        isinstance(v, list) and all(type(x) is float or type(x) is int for x in v) for v in lists
-    )
 
 
 # ---- a record -------------------------------------------------------------------------------------------
@@ -201,6 +253,17 @@ def answer_of(response: Any) -> str | None:
     message = first.get("message") if isinstance(first, dict) else None
     content = message.get("content") if isinstance(message, dict) else None
     return content if isinstance(content, str) else None
+
+
+def _is_answer(message: Any, answer: str) -> bool:
+    """Whether `message` is `{"role": "assistant", "content": answer}`."""
+    return (
+        type(message) is dict
+        and len(message) == 2
+        and message.get("role") == "assistant"
+        and type(message.get("content")) is str
+        and message["content"] == answer
+    )
 
 
 def encode(
@@ -231,7 +294,7 @@ def encode(
         and row.messages_prefix > 0
         and isinstance(messages, list)
         and messages
-        and _same(messages[0], {"role": "assistant", "content": previous_answer})
+        and _is_answer(messages[0], previous_answer)
     ):
         request = {**request, "messages": messages[1:]}
         derived |= ANSWER_FIRST
@@ -282,20 +345,16 @@ def encode(
     }
     binary: dict[str, bytes | None] = dict.fromkeys(BINARY_COLUMNS)
     if row.prompt_token_ids is not None:
-        if _ids_ok(row.prompt_token_ids):
-            binary["prompt_ids"] = pack_ids(row.prompt_token_ids)
-        else:
+        binary["prompt_ids"] = pack_ids(row.prompt_token_ids)
+        if binary["prompt_ids"] is None:
             json_values["prompt_token_ids"] = row.prompt_token_ids
     if row.completion_token_ids is not None:
-        lists = row.completion_token_ids
-        if isinstance(lists, list) and all(_ids_ok(ids) for ids in lists):
-            binary["completion_ids"] = pack_id_lists(lists)
-        else:
-            json_values["completion_token_ids"] = lists
+        binary["completion_ids"] = pack_id_lists(row.completion_token_ids)
+        if binary["completion_ids"] is None:
+            json_values["completion_token_ids"] = row.completion_token_ids
     if row.logprobs is not None:
-        if _floats_ok(row.logprobs):
-            binary["logprob_values"] = pack_float_lists(row.logprobs)
-        else:
+        binary["logprob_values"] = pack_float_lists(row.logprobs)
+        if binary["logprob_values"] is None:
             json_values["logprobs"] = row.logprobs
     size = 0
     for name, value in json_values.items():
@@ -313,12 +372,26 @@ def encode(
     return values, size
 
 
+_USUAL_CHOICE = frozenset(("index", "message", "logprobs", "finish_reason"))
+_USUAL_MESSAGE = frozenset(("role", "content", "refusal"))
+
+
 def _compact_choice(index: int, choice: Any, finish_reason: str | None) -> Any:
-    if isinstance(choice, dict):
-        message = choice.get("message")
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and _same(choice, usual_choice(index, content, finish_reason)):
-            return content
+    """The choice's text when it is `usual_choice(index, text, finish_reason)`, else the choice."""
+    if type(choice) is dict and choice.keys() == _USUAL_CHOICE:
+        message = choice["message"]
+        if (
+            type(message) is dict
+            and message.keys() == _USUAL_MESSAGE
+            and type(message["content"]) is str
+            and message["role"] == "assistant"
+            and message["refusal"] is None
+            and choice["logprobs"] is None
+            and type(choice["index"]) is int
+            and choice["index"] == index
+            and _same(choice["finish_reason"], finish_reason)
+        ):
+            return message["content"]
     return choice
 
 

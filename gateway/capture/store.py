@@ -134,13 +134,14 @@ SEGMENT_BREAK = f"""CASE WHEN (derived & {codec.BREAK_EXTENDS}) <> 0
          THEN ({_BREAK}) || jsonb_build_object('previous_id', previous_id)
     ELSE {_BREAK} END"""
 FIRST_COMPLETION_LENGTH = """CASE
-    WHEN completion_ids IS NULL OR length(completion_ids) = 0 THEN NULL
-    WHEN get_byte(completion_ids, 0) < 128 THEN get_byte(completion_ids, 0)
-    WHEN get_byte(completion_ids, 1) < 128
-         THEN (get_byte(completion_ids, 0) & 127) + get_byte(completion_ids, 1) * 128
-    ELSE (get_byte(completion_ids, 0) & 127) + (get_byte(completion_ids, 1) & 127) * 128
-         + get_byte(completion_ids, 2) * 16384 END"""
-"""The length of choice 0's ids (a varint, up to 2**21) in `completion_ids`."""
+    WHEN completion_ids IS NULL OR length(completion_ids) < 2 THEN NULL
+    WHEN get_byte(completion_ids, 1) < 128 THEN get_byte(completion_ids, 1)
+    WHEN get_byte(completion_ids, 2) < 128
+         THEN (get_byte(completion_ids, 1) & 127) + get_byte(completion_ids, 2) * 128
+    ELSE (get_byte(completion_ids, 1) & 127) + (get_byte(completion_ids, 2) & 127) * 128
+         + get_byte(completion_ids, 3) * 16384 END"""
+"""The length of choice 0's ids in `completion_ids` (`gateway.capture.codec`: a varint after the width byte;
+up to 2**21)."""
 
 READ = """
 SELECT c.*, b.settings AS request_base, p.response AS previous_response
@@ -180,16 +181,16 @@ SET ({", ".join(_REWRITTEN)}) = ROW({
 })
 WHERE organization_id = $1 AND id = $2
 """
-UPSERT_BASE = """
-INSERT INTO capture_request_bases (organization_id, episode_id, settings, expires_at)
-VALUES ($1, $2, $3::text::jsonb, $4)
+UPSERT_BASES = """
+INSERT INTO capture_request_bases AS b (organization_id, episode_id, settings, expires_at)
+SELECT o, e, s::jsonb, x FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[]) AS t(o, e, s, x)
 ON CONFLICT (organization_id, episode_id) DO UPDATE
-SET expires_at = CASE WHEN capture_request_bases.expires_at IS NULL OR EXCLUDED.expires_at IS NULL THEN NULL
-                      ELSE greatest(capture_request_bases.expires_at, EXCLUDED.expires_at) END
-RETURNING settings, xmax = 0 AS made
+SET expires_at = CASE WHEN b.expires_at IS NULL OR EXCLUDED.expires_at IS NULL THEN NULL
+                      ELSE greatest(b.expires_at, EXCLUDED.expires_at) END
+RETURNING organization_id, episode_id, settings, xmax = 0 AS made
 """
-"""An episode's base settings: made by its first call written (whichever gateway wrote it), kept as long as
-the episode's longest-kept record."""
+"""Episodes' base settings (one statement a batch): made by each one's first call written (whichever gateway
+wrote it), kept as long as the episode's longest-kept record."""
 ANSWER_DEPENDENTS = f"""
 SELECT c.organization_id, c.id FROM captured_completions c
 JOIN captured_completions p ON p.organization_id = c.organization_id AND p.id = c.previous_id
@@ -287,24 +288,30 @@ async def insert_many(
     never deadlock). `answers`: by record id, the text answered by the turn it extends (`previous_id`). The
     episodes' base settings are made by the first call written of each (its bytes counted in that call's)."""
     ordered = sorted(rows, key=lambda r: r.organization_id)  # stable: an episode's calls keep their order
+    firsts: dict[tuple[str, str], CapturedRow] = {}
+    expiry: dict[tuple[str, str], datetime | None] = {}
+    for r in ordered:
+        if r.episode_id is not None:
+            key = (r.organization_id, r.episode_id)
+            firsts.setdefault(key, r)
+            old = expiry.get(key, r.expires_at)
+            expiry[key] = None if old is None or r.expires_at is None else max(old, r.expires_at)
     bases: dict[tuple[str, str], dict[str, Any]] = {}
     made: set[str] = set()
-    for r in ordered:
-        if r.episode_id is None or (r.organization_id, r.episode_id) in bases:
-            continue
-        mine = [o for o in ordered if o.organization_id == r.organization_id and o.episode_id == r.episode_id]
-        expiry = [o.expires_at for o in mine]
-        longest = None if None in expiry else max(e for e in expiry if e is not None)
-        record = await conn.fetchrow(
-            UPSERT_BASE,
-            r.organization_id,
-            r.episode_id,
-            orjson.dumps(codec.settings_of(r.request)).decode(),
-            longest,
+    if firsts:
+        keys = sorted(firsts)  # one order: two writers never deadlock on the same episodes
+        records = await conn.fetch(
+            UPSERT_BASES,
+            [k[0] for k in keys],
+            [k[1] for k in keys],
+            [orjson.dumps(codec.settings_of(firsts[k].request)).decode() for k in keys],
+            [expiry[k] for k in keys],
         )
-        bases[(r.organization_id, r.episode_id)] = record["settings"]
-        if record["made"]:
-            made.add(r.id)
+        for record in records:
+            key = (record["organization_id"], record["episode_id"])
+            bases[key] = record["settings"]
+            if record["made"]:
+                made.add(firsts[key].id)
     args = []
     size_at = STORED_COLUMNS.index("stored_bytes")
     for r in ordered:
