@@ -305,6 +305,51 @@ def test_stored_completions_read_back_exactly_in_either_form(gw: GatewayServer, 
     assert {**then, "id": None} == {**now, "id": None}
 
 
+def test_a_turn_past_its_retention_leaves_the_later_turns_their_messages(
+    gw: GatewayServer, org: Tenant
+) -> None:
+    """A later turn keeps no copy of the answer it repeats from the turn it extends; when that turn goes
+    (past its retention, purged), the later one is written again with the message first."""
+    database = gw.settings.database_url or ""
+    episode, answers, records = _episode(org, database, 3)
+    derived = _sql(
+        database,
+        "SELECT id, derived FROM captured_completions WHERE organization_id = $1 AND episode_id = $2"
+        " ORDER BY seq",
+        org.org_id,
+        episode,
+    )
+    assert [bool(r["derived"] & codec.ANSWER_FIRST) for r in derived] == [False, True, True]
+    _sql(
+        database,
+        "UPDATE captured_completions SET expires_at = now() - interval '1 s'"
+        " WHERE organization_id = $1 AND id = $2",
+        org.org_id,
+        answers[0].id,
+    )
+
+    async def purge() -> None:
+        pool = await create_pool(database, min_size=1, max_size=1)
+        try:
+            await store.purge_expired(pool, most=10_000)
+        finally:
+            await pool.close()
+
+    asyncio.run(purge())
+    assert not _sql(database, "SELECT 1 FROM captured_completions WHERE id = $1", answers[0].id)
+    later = _records(database, org.org_id, episode)
+    assert [r.id for r in later] == [records[1].id, records[2].id]
+    # What each kept of its own is what it kept before: the second turn its messages after the first's.
+    assert later[1].request == records[2].request
+    assert later[0].request["messages"] == records[1].request["messages"]
+    assert later[0].request["messages"][0] == {
+        "role": "assistant",
+        "content": answers[0].choices[0].message.content,
+    }
+    kept = org.client.chat.completions.retrieve(answers[1].id)
+    assert kept.choices[0].message.content == answers[1].choices[0].message.content
+
+
 # ---- metering and billing ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def standin() -> Iterator[tuple[StripeStandIn, str]]:
