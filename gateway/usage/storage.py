@@ -16,7 +16,8 @@ import asyncpg
 
 from gateway.db import Conn, rows_to
 
-ORGS = "SELECT organization_id FROM capture_storage ORDER BY organization_id"
+ORGS = "SELECT organization_id FROM capture_storage WHERE bytes > 0 OR pending >= 1 ORDER BY organization_id"
+"""Organisations with something to meter (one that keeps nothing accrues nothing until a record comes)."""
 METER = "SELECT capture_storage_meter($1, $2)"
 NOW = "SELECT clock_timestamp()"
 BUCKETS = """
