@@ -17,7 +17,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -120,6 +120,9 @@ class _Choice:
 @dataclass(slots=True)
 class Capture:
     """One captured request: what the client asked for, and (for a stream) the answer as it passes."""
+
+    TEXT: ClassVar[bool] = False
+    """Whether the calls captured are text completions (`gateway.capture.text_capture`)."""
 
     writer: CaptureWriter
     who: Principal
@@ -315,5 +318,6 @@ class Capture:
                 cost_usd=completion_cost(
                     self.settings, self.target.base_model, prompt_tokens, completion_tokens
                 ),
+                text_completion=self.TEXT,
             )
         )

@@ -64,6 +64,8 @@ class CapturedRow:
     """The bytes the record stores (its JSON fields, as written)."""
     cost_usd: float | None = None
     """What the call cost the organisation (its tokens at the price table's prices)."""
+    text_completion: bool = False
+    """A text completion (`POST /v1/completions`), which the stored chat completions API does not show."""
 
 
 SET = """
@@ -152,11 +154,11 @@ LEFT JOIN captured_completions p ON p.organization_id = c.organization_id AND p.
 """Records as `row_of` reads them: with their episode's base settings and the answer of the turn each
 extends (`gateway.capture.codec`)."""
 LIVE_C = "(c.expires_at IS NULL OR c.expires_at > now())"
-GET_ONE = f"{READ} WHERE c.organization_id = $1 AND c.id = $2 AND {LIVE_C}"
+GET_ONE = f"{READ} WHERE c.organization_id = $1 AND c.id = $2 AND {LIVE_C} AND NOT c.text_completion"
 BY_IDS = f"{READ} WHERE c.organization_id = $1 AND c.id = ANY($2::text[]) AND {LIVE_C}"
 LIST = f"""
 {READ}
-WHERE c.organization_id = $1 AND {LIVE_C}
+WHERE c.organization_id = $1 AND {LIVE_C} AND NOT c.text_completion
   AND ($2::text IS NULL OR c.model = $2)
   AND ($3::jsonb IS NULL OR c.metadata @> $3::jsonb)
   AND ($4::text IS NULL OR (c.created_at, c.seq) {{op}} (
@@ -420,7 +422,7 @@ async def update_metadata(
 
     def change(row: CapturedRow) -> CapturedRow | None:
         live = row.expires_at is None or row.expires_at > now
-        return dataclasses.replace(row, metadata=metadata) if live else None
+        return dataclasses.replace(row, metadata=metadata) if live and not row.text_completion else None
 
     return await _rewrite(conn, org_id, completion_id, change)
 

@@ -14,7 +14,7 @@ sampled ids and log-probabilities of each choice: it joins its episode's sequenc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -67,6 +67,7 @@ class _TextChoice:
 class TextCapture(Capture):
     """One captured text completion."""
 
+    TEXT: ClassVar[bool] = True
     text_choices: dict[int, _TextChoice] = field(default_factory=dict)
 
     @property
