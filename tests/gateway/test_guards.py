@@ -79,7 +79,9 @@ def test_explosion_against_the_running_median() -> None:
     # but for reinforcement, whose gradient norm moves several-fold from one step to the next
     rl = {k: v for k, v in job_guards.defaults("reinforcement")["explosion"].items() if k != "action"}
     assert rl["min_steps"] == 3 and guards.explosion(early, **rl, kind="reinforcement") is None
-    assert guards.explosion(_points(grad_norm=[0.2, 0.9, 0.5, 9.0]), **rl, kind="reinforcement") is not None
+    assert rl["factor"] == 30.0  # and a step many times its median is a reinforcement step's variance
+    assert guards.explosion(_points(grad_norm=[0.2, 0.9, 0.5, 9.0]), **rl, kind="reinforcement") is None
+    assert guards.explosion(_points(grad_norm=[0.2, 0.9, 0.5, 20.0]), **rl, kind="reinforcement") is not None
     # Steps that trained nothing (a zero norm) are not part of the median.
     assert (
         guards.explosion(_points(grad_norm=[0, 0, 0, 1.0, 1.0, 1.0, 8.0]), **_settings("explosion")) is None
