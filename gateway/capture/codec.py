@@ -20,6 +20,9 @@ exactly, from a record in either form:
     JSON column.
 
 `stored_bytes` is what the record keeps of the call: its JSON columns as written plus its binary ones.
+
+Size: over 450 lines, and left whole: the encoder and the decoder of one format, which must agree field by
+field, read best side by side.
 """
 
 from __future__ import annotations

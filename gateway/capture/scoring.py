@@ -25,6 +25,9 @@ grader, an environment package's scorer, or a judge model ranking the attempts a
   answer does not parse) fails the call with a 400 naming it, and nothing is posted; with `skip` the others
   are posted and the response lists the errors. A refusal of a model call itself (rate limit, budget) is the
   request's answer, nothing posted.
+
+Size: over 450 lines, and left whole: the three scorers share the selection, the posting and the error
+rules above (the judge's prompt and parsing are apart, in `scoring_judge`).
 """
 
 from __future__ import annotations
