@@ -61,6 +61,7 @@ from gateway.deps import Caller, Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, NotFound, not_found
 from gateway.evals.grading import grade_item
 from gateway.files import store as files_store
+from gateway.graders import packages
 from gateway.graders.checks import check_grader
 from gateway.serving.calls import GatewayModels, check_models
 from gateway.settings import Settings
@@ -224,16 +225,9 @@ def _grade_all(
 ) -> list[Outcome]:
     """Each episode's score by `grader` (blocking: a sandbox thread), the model graders' calls through the
     gateway with the caller's key."""
-    from envsdk.python_grader import PythonGraders
-
     criterion = {"name": name, **grader}
     out: list[Outcome] = []
-    with (
-        GatewayModels(settings, key) as models,
-        PythonGraders(
-            allow_unsandboxed=settings.allow_unsandboxed_environments, maxima=settings.sandbox_maxima()
-        ) as python,
-    ):
+    with GatewayModels(settings, key) as models, packages.python_graders(settings) as python:
         inference = models.inference() if model_fields(grader) else None
         for view in views:
             tools = (view.answer or {}).get("tool_calls")
@@ -261,29 +255,12 @@ def _environment_all(
 ) -> tuple[str, list[Outcome]]:
     """The package's kind, and each episode's `reward(task, last answer)` from one `reward_batch` in its
     sandbox (blocking: a sandbox thread); a package that is not single-turn scores nothing."""
-    from envsdk.archive import safe_extract
     from envsdk.errors import EnvSDKError, SandboxError
-    from envsdk.sandbox import Sandbox, owned_workdir
+    from envsdk.sandbox import owned_workdir
 
     with owned_workdir("score") as workdir:  # removed at the next start if this process dies first
-        workdir.chmod(0o755)
-        package = workdir / "package"
         try:
-            safe_extract(
-                archive,
-                package,
-                max_entries=settings.environment_max_entries,
-                max_total_bytes=settings.environment_max_unpacked_bytes,
-                max_ratio=settings.environment_max_ratio,
-            )
-            sandbox = Sandbox(
-                package,
-                config=config,
-                maxima=settings.sandbox_maxima(),
-                allow_unsandboxed=settings.allow_unsandboxed_environments,
-                venvs=settings.venv_builder(),
-            )
-            sandbox.start()
+            sandbox = packages.start(settings, archive, workdir, config)
         except EnvSDKError as exc:
             failed = _error("environment_error", f"the environment did not start: {exc.code}: {exc.message}")
             return "", [failed] * len(views)

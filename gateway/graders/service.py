@@ -39,6 +39,7 @@ from envsdk.graders import (
 from gateway.deps import Caller, Resources
 from gateway.errors import MAX_MESSAGE_CHARS, InvalidRequest, not_found
 from gateway.files import store as files_store
+from gateway.graders import packages
 from gateway.graders.checks import check_grader
 from gateway.graders.protocol import (
     EnvironmentRunRequest,
@@ -62,14 +63,7 @@ async def validate(res: Resources, org_id: str, grader: dict[str, Any]) -> Grade
 
 
 def _grade_sync(settings: Settings, key: str, body: GraderRunRequest) -> dict[str, Any]:
-    from envsdk.python_grader import PythonGraders
-
-    with (
-        GatewayModels(settings, key) as models,
-        PythonGraders(
-            allow_unsandboxed=settings.allow_unsandboxed_environments, maxima=settings.sandbox_maxima()
-        ) as python,
-    ):
+    with GatewayModels(settings, key) as models, packages.python_graders(settings) as python:
         inference = models.inference() if model_fields(body.grader) else None
         sample = make_sample(body.model_sample)
         result = grade(body.grader, sample, body.item or {}, inference=inference, python=python)
@@ -146,30 +140,13 @@ def _first_turn(sandbox: Any, task: dict[str, Any], completion: str) -> Environm
 def _run_environment_sync(
     settings: Settings, archive: Path, body: EnvironmentRunRequest, models: GatewayModels
 ) -> EnvironmentRunResponse:
-    from envsdk.archive import safe_extract
     from envsdk.errors import EnvSDKError
     from envsdk.rollout import run_episode, run_single_turn
-    from envsdk.sandbox import Sandbox, owned_workdir
+    from envsdk.sandbox import owned_workdir
 
     with owned_workdir("run") as workdir:  # removed at the next start if this process dies first
-        workdir.chmod(0o755)
-        package = workdir / "package"
         try:
-            safe_extract(
-                archive,
-                package,
-                max_entries=settings.environment_max_entries,
-                max_total_bytes=settings.environment_max_unpacked_bytes,
-                max_ratio=settings.environment_max_ratio,
-            )
-            sandbox = Sandbox(
-                package,
-                config=body.config,
-                maxima=settings.sandbox_maxima(),
-                allow_unsandboxed=settings.allow_unsandboxed_environments,
-                venvs=settings.venv_builder(),
-            )
-            sandbox.start()
+            sandbox = packages.start(settings, archive, workdir, body.config)
         except EnvSDKError as exc:
             error = f"{exc.code}: {exc.message}"
             return EnvironmentRunResponse(reward=None, error=error, stop_reason="error")

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from envsdk.graders import model_fields
+from gateway.graders import packages
 from gateway.jobs import running
 from gateway.jobs.store import JobRow
 from gateway.settings import Settings
@@ -77,20 +78,12 @@ async def write_spec(ctx: JobContext[JobRow], *, workdir: Path, vllm_server: str
 def _write(settings: Settings, workdir: Path, spec: TrainerSpec, archive: Path | None) -> Path:
     """Make the work dir, unpack the environment package (again under the same caps as its upload check)
     and write `spec.json` (blocking; run in a thread)."""
-    from envsdk.archive import safe_extract
-
     workdir.mkdir(parents=True, exist_ok=True)
     if archive is not None:
         package_dir = workdir / "environment"
         shutil.rmtree(package_dir, ignore_errors=True)
         workdir.chmod(0o755)  # the sandbox's own uid reads the package
-        safe_extract(
-            archive,
-            package_dir,
-            max_entries=settings.environment_max_entries,
-            max_total_bytes=settings.environment_max_unpacked_bytes,
-            max_ratio=settings.environment_max_ratio,
-        )
+        packages.unpack(settings, archive, package_dir)
     path = workdir / "spec.json"
     path.write_text(spec.model_dump_json(indent=2))
     return path
