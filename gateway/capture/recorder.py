@@ -183,6 +183,20 @@ class Capture:
         if not isinstance(data, dict):
             return None
         self.nulls = "prompt_text" in data
+        ids, logprobs = self._sampled(data)
+        if "model" in data:
+            data["model"] = self.proxy.model
+            data["system_fingerprint"] = fingerprint
+        out = orjson.dumps(data)
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else None
+        if isinstance(data.get("id"), str):
+            self._record(data, ids, logprobs, usage, status=status, streamed=False)
+        return out, usage
+
+    def _sampled(self, data: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
+        """A whole answer's prompt ids, and each choice's sampled ids and log-probabilities; the fields the
+        client did not ask for taken out of `data`."""
         self.prompt_token_ids = self._take(data, "prompt_token_ids", self.asked_ids)
         ids: list[list[int]] = []
         logprobs: list[list[float]] = []
@@ -195,15 +209,7 @@ class Capture:
             logprobs.append(found[1] if found is not None else [])
             if not self.asked_logprobs and "logprobs" in choice:
                 choice["logprobs"] = None
-        if "model" in data:
-            data["model"] = self.proxy.model
-            data["system_fingerprint"] = fingerprint
-        out = orjson.dumps(data)
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else None
-        if isinstance(data.get("id"), str):
-            self._record(data, ids, logprobs, usage, status=status, streamed=False)
-        return out, usage
+        return ids, logprobs
 
     # ---- a stream ---------------------------------------------------------------------------------------
     def event(self, event: dict[str, Any]) -> None:

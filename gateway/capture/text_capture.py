@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import orjson
-
 from gateway.capture.recorder import Capture
 from gateway.errors import InvalidRequest
 
@@ -93,16 +91,7 @@ class TextCapture(Capture):
             choice["logprobs"] = None
         return ids, logprobs
 
-    def response(
-        self, raw: bytes, fingerprint: str, status: int
-    ) -> tuple[bytes, dict[str, Any] | None] | None:
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(data, dict):
-            return None
-        self.nulls = "prompt_text" in data
+    def _sampled(self, data: dict[str, Any]) -> tuple[list[list[int]], list[list[float]]]:
         ids: list[list[int]] = []
         logprobs: list[list[float]] = []
         choices = data.get("choices")
@@ -111,15 +100,7 @@ class TextCapture(Capture):
                 got, lps = self._choice(choice)
                 ids.append(got)
                 logprobs.append(lps)
-        if "model" in data:
-            data["model"] = self.proxy.model
-            data["system_fingerprint"] = fingerprint
-        out = orjson.dumps(data)
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else None
-        if isinstance(data.get("id"), str):
-            self._record(data, ids, logprobs, usage, status=status, streamed=False)
-        return out, usage
+        return ids, logprobs
 
     def event(self, event: dict[str, Any]) -> None:
         if self.id is None and isinstance(event.get("id"), str):
