@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import math
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -20,20 +19,17 @@ import asyncpg
 import httpx
 import orjson
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.routing import Route
 
 from gateway.billing.outbox import run_billing
 from gateway.capture import codec, store
 from gateway.capture.store import CapturedRow
 from gateway.db import create_pool
 from gateway.settings import Settings
-from tests.gateway.test_billing import StripeStandIn
 from tests.support.capture import capture_on, eventually
 from tests.support.data import BASE
 from tests.support.fixtures import gateway_fixture
-from tests.support.stack import Admin, GatewayServer, Tenant, free_port
+from tests.support.stack import Admin, GatewayServer, Tenant
+from tests.support.stripe import StripeStandIn, serve_stripe
 
 gw = gateway_fixture("capture-bytes")
 
@@ -353,17 +349,8 @@ def test_a_turn_past_its_retention_leaves_the_later_turns_their_messages(
 # ---- metering and billing ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def standin() -> Iterator[tuple[StripeStandIn, str]]:
-    standin = StripeStandIn(fail_rate=0.0)
-    app = Starlette(routes=[Route("/v1/billing/meter_events", standin.meter_events, methods=["POST"])])
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield standin, f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_stripe(fail_rate=0.0) as served:
+        yield served
 
 
 def _bill(gw: GatewayServer, base: str, tmp_path: Path) -> None:
