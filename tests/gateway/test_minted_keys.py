@@ -20,7 +20,13 @@ from gateway.tenancy.keys import Authenticator
 from tests.support.stack import Admin, GatewayServer, Tenant
 
 MESSAGES = [{"role": "user", "content": "hi"}]
-INFERENCE = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+INFERENCE = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",  # Claude Code counts before it sends
+)
 OPEN = ("/healthz", "/readyz", "/metrics", "/api/v1/healthz")
 
 
