@@ -119,14 +119,16 @@ class AdapterLoader:
             raise AdapterRankTooLarge(target.model_id, rank, self.max_lora_rank)
         self.load_count += 1
         t0 = time.perf_counter()
-        resp = await self.client.post(
-            f"{url}/v1/load_lora_adapter",
-            json={
-                "lora_name": target.engine_model,
-                "lora_path": target.adapter_path,
-                "base_model_name": target.base_model,
-            },
-        )
+        body = {
+            "lora_name": target.engine_model,
+            "lora_path": target.adapter_path,
+            "base_model_name": target.base_model,
+        }
+        try:
+            resp = await self.client.post(f"{url}/v1/load_lora_adapter", json=body)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # A kept-alive connection the engine closed as it was reused: a load may be asked again.
+            resp = await self.client.post(f"{url}/v1/load_lora_adapter", json=body)
         if resp.status_code == 200 or (resp.status_code == 400 and "already" in resp.text.lower()):
             logger.info(
                 "adapter %s (%s) on %s ready in %.2fs",
