@@ -220,10 +220,7 @@ class Capture:
             ids = self._take(event, "prompt_token_ids", self.asked_ids)
             if ids is not None:
                 self.prompt_token_ids = ids
-        if self.id is None and isinstance(event.get("id"), str):
-            self.id = event["id"]
-            created = event.get("created")
-            self.created = created if isinstance(created, int) else None
+        self._note_id(event)
         choices = event.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -251,6 +248,27 @@ class Capture:
                 acc.token_ids.extend(ids)
                 acc.saw_ids = True
 
+    def _note_id(self, event: dict[str, Any]) -> None:
+        """The stream's id and time, from its first event that has them."""
+        if self.id is None and isinstance(event.get("id"), str):
+            self.id = event["id"]
+            created = event.get("created")
+            self.created = created if isinstance(created, int) else None
+
+    def _stream_answer(
+        self, kind: str, choices: list[dict[str, Any]], fingerprint: str, usage: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The whole answer (of object `kind`) a stream amounts to, as the client would have got it."""
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created if self.created is not None else int(self.started),
+            "model": self.proxy.model,
+            "system_fingerprint": fingerprint,
+            "choices": choices,
+            "usage": usage,
+        }
+
     def finish_stream(self, fingerprint: str, usage: dict[str, Any] | None, status: int) -> None:
         """The stream ended (whole, broken or left): the answer it amounts to is recorded, when one began."""
         if self.id is None:
@@ -262,15 +280,7 @@ class Capture:
             choices.append(
                 {"index": index, "message": acc.message(), "finish_reason": acc.finish_reason, "logprobs": lp}
             )
-        response = {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created if self.created is not None else int(self.started),
-            "model": self.proxy.model,
-            "system_fingerprint": fingerprint,
-            "choices": choices,
-            "usage": usage,
-        }
+        response = self._stream_answer("chat.completion", choices, fingerprint, usage)
         ids = [self.choices[i].token_ids for i in sorted(self.choices)]
         logprobs = [self.choices[i].logprobs for i in sorted(self.choices)]
         self._record(response, ids, logprobs, usage, status=status, streamed=True)

@@ -103,10 +103,7 @@ class TextCapture(Capture):
         return ids, logprobs
 
     def event(self, event: dict[str, Any]) -> None:
-        if self.id is None and isinstance(event.get("id"), str):
-            self.id = event["id"]
-            created = event.get("created")
-            self.created = created if isinstance(created, int) else None
+        self._note_id(event)
         choices = event.get("choices")
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict):
@@ -137,15 +134,7 @@ class TextCapture(Capture):
             }
             for i in order
         ]
-        response = {
-            "id": self.id,
-            "object": TEXT_OBJECT,
-            "created": self.created if self.created is not None else int(self.started),
-            "model": self.proxy.model,
-            "system_fingerprint": fingerprint,
-            "choices": choices,
-            "usage": usage,
-        }
+        response = self._stream_answer(TEXT_OBJECT, choices, fingerprint, usage)
         ids = [self.text_choices[i].token_ids for i in order]
         logprobs = [
             _sampled_logprobs({"logprobs": self.text_choices[i].logprobs}, len(ids[n]))
