@@ -4,8 +4,10 @@ script after a `NOSCRIPT`).
 
 Buckets refill continuously: a limit of N per minute holds at most N and gains N/60 each second. Budgets
 are in micro-USD (whole numbers, so Redis keeps them exact): a hash per organisation and month holding
-`spent` and each gateway's hold (see `holds`). If Redis cannot be reached the callers fail open (serving
-goes on) and log a warning; Redis is then left alone for a few seconds so a dead Redis costs no latency.
+`spent` and each gateway's hold (see `holds`). If Redis cannot be reached (or answers later than the
+client's timeout) the calls answer None and log a warning, and Redis is then left alone for a few seconds so
+a dead Redis costs no latency; meanwhile the guard keeps the limits and budgets in memory, as if it were the
+only gateway (`fallback`, `Guard._hold_here`).
 """
 
 from __future__ import annotations
@@ -162,6 +164,8 @@ class TakeResult:
     buckets: list[BucketState]
     leased: list[int]
     """The lease each bucket lent besides the cost (0: none)."""
+    fallback: bool = False
+    """Taken from this gateway's own buckets while Redis was unreachable (`gateway.limits.fallback`)."""
 
 
 MAX_MICRO = 2**53

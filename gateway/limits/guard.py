@@ -12,8 +12,11 @@ models, usage). Limits and budgets are cached here for `limits_cache_ttl_s` (no 
 request); the admin API drops the entry of an organisation it changes.
 
 Every admitted completion carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers:
-the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits (and, while Redis is unreachable,
-the effective limits as both limit and remaining).
+the tightest bucket of each kind, or `UNLIMITED` for a kind no bucket limits.
+
+While Redis is unreachable (down, or slower than its client's timeout) nothing fails open: the buckets go on
+in this gateway's memory from the state Redis last reported (`fallback`), and budgets are held against the
+month's spend in PostgreSQL plus this gateway's own since (`_hold_here`), as if it were the only gateway.
 
 Size: over 450 lines, and left whole: its parts are split already (the Redis buckets in `buckets`, the
 in-memory leases in `leases`, the budget holds in `holds`, the rate-limit headers in `headers`), and what
@@ -37,6 +40,7 @@ import asyncpg
 from gateway.errors import InsufficientQuota
 from gateway.limits import store
 from gateway.limits.buckets import (
+    DOWN_FOR_S,
     Buckets,
     BucketState,
     TakeResult,
@@ -46,6 +50,7 @@ from gateway.limits.buckets import (
     to_micro,
 )
 from gateway.limits.budget import key_month_spend_usd, month_spend_usd
+from gateway.limits.fallback import LocalBuckets
 from gateway.limits.headers import headers_of, refusal_of
 from gateway.limits.holds import HOLD_TTL_S, SYNC_S, Account
 from gateway.limits.leases import LEASE_TTL_S, Leases
@@ -111,6 +116,8 @@ class Guard:
         """Token-bucket corrections not yet sent: bucket key -> (capacity, tokens to take, negative gives)."""
         self._flusher: asyncio.Task[None] | None = None
         self.leases = Leases(settings.rate_limit_lease_s)
+        self.own_buckets = LocalBuckets()
+        """The buckets this gateway keeps while Redis is unreachable (`fallback`)."""
         self._sweeper: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._accounts: dict[str, Account] = {}
@@ -226,14 +233,14 @@ class Guard:
         token_buckets: list[tuple[str, int, int]] = []
         if checks and self.buckets is not None:
             taken = await self._take(checks)
-            if taken is not None:
-                headers = headers_of(kinds, taken.buckets)
-                if not taken.allowed:
-                    raise refusal_of(taken, headers)
+            headers = headers_of(kinds, taken.buckets)
+            if not taken.allowed:
+                raise refusal_of(taken, headers)
+            if not taken.fallback:  # what this gateway's own buckets took stays taken
                 token_buckets = [
                     (c[0], c[1], min(c[2], c[1])) for c, k in zip(checks, kinds, strict=True) if k == "tokens"
                 ]
-        if headers is None:  # nothing taken (no limits, or Redis unreachable): the effective limits
+        if headers is None:  # nothing taken (no limits, or no Redis): the effective limits
             headers = headers_of(kinds, [BucketState(c[1], c[1], 0) for c in checks])
         admission = Admission(org_id, base_model, token_buckets, [], headers)
         if self.buckets is not None:
@@ -256,7 +263,7 @@ class Guard:
             return
         checks = [(bucket_key(f"key:{key_id}", "requests"), limit, 1)]
         taken = await self._take(checks)
-        if taken is not None and not taken.allowed:  # None: Redis unreachable, and the limits fail open
+        if not taken.allowed:
             raise refusal_of(taken, headers_of(["requests"], taken.buckets))
 
     def _plan(self, policy: OrgPolicy, org_id: str, key_id: str) -> list[tuple[str, int, str]]:
@@ -272,8 +279,9 @@ class Guard:
             policy.plans[key_id] = plan
         return plan
 
-    async def _take(self, checks: list[tuple[str, int, int]]) -> TakeResult | None:
-        """From this gateway's leases when they cover every bucket, else from Redis (renewing them)."""
+    async def _take(self, checks: list[tuple[str, int, int]]) -> TakeResult:
+        """From this gateway's leases when they cover every bucket, else from Redis (renewing them), else,
+        while Redis is unreachable, from this gateway's own buckets (`fallback`)."""
         local = self.leases.take(checks, time.monotonic())
         if local is not None:
             if self.leases.low(checks):
@@ -292,7 +300,8 @@ class Guard:
             if local is not None:
                 return TakeResult(True, 0, local, [])
             pending = self._renewing.get(flight) if self.leases.leasable(checks) else None
-        return await self._renew(checks, flight, self._flight(flight))
+        taken = await self._renew(checks, flight, self._flight(flight))
+        return self.own_buckets.take(checks) if taken is None else taken
 
     def _flight(self, flight: tuple[str, ...]) -> asyncio.Future[None]:
         """Register a Redis call on the buckets `flight`: what requests that find them short wait for."""
@@ -315,7 +324,10 @@ class Guard:
             now = time.monotonic()
             renewals = self.leases.renewals(checks, now, top_up=top_up)
             taken = await self.buckets.take(checks, renewals)
-            if taken is None or not taken.allowed:
+            if taken is None:
+                return None
+            self.own_buckets.seen(checks, taken.buckets)
+            if not taken.allowed:
                 return taken
             states = self.leases.granted(checks, taken.buckets, taken.leased, now, top_up=top_up)
         finally:
@@ -354,7 +366,7 @@ class Guard:
                 await asyncio.shield(account.call)
                 continue
             granted = await self._hold(key, account, estimate)
-            if granted is None:  # Redis unreachable: fail open (nothing held, nothing to settle)
+            if granted is None:  # a request that costs nothing, and Redis unreachable: nothing to hold
                 return
             break
         if not granted:
@@ -370,8 +382,8 @@ class Guard:
 
     async def _hold(self, key: str, account: Account, estimate: int) -> bool | None:
         """One Redis call for `account` (the only one in flight on it): sends its spend and its hold and, for
-        a request's `estimate`, asks for it and for a lease. True granted, False over budget, None when Redis
-        is unreachable."""
+        a request's `estimate`, asks for it and for a lease. True granted, False over budget; while Redis is
+        unreachable, as `_hold_here` decides (None for a sync, which has nothing to ask)."""
         assert self.buckets is not None
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         account.call = done
@@ -394,10 +406,11 @@ class Guard:
             if out is not None and out[0] == -1:  # a new month (or a new Redis): seed it from the database
                 out = await call(seed=await self._seed(account))
             if out is None:
-                return None
+                return await self._hold_here(account, estimate) if estimate else None
             granted, lease = out
             account.unsent -= owed
             account.synced = time.monotonic()
+            account.floor = None  # Redis counts again: a later outage reads the month afresh
             account.sent_hold = base
             if granted and estimate:
                 account.admitted(estimate)
@@ -409,6 +422,20 @@ class Guard:
         finally:
             account.call = None
             done.set_result(None)
+
+    async def _hold_here(self, account: Account, estimate: int) -> bool:
+        """Redis unreachable: hold `estimate` against what this gateway knows of the month, as if it were the
+        only gateway: the spend in PostgreSQL (read again every `DOWN_FOR_S`), what it settled since and its
+        requests in flight. What it spends meanwhile is owed to Redis, and sent once Redis answers."""
+        now = time.monotonic()
+        if account.floor is None or now - account.floor_at > DOWN_FOR_S:
+            account.floor = await self._seed(account)
+            account.floor_at, account.floor_unsent = now, account.unsent
+        used = account.floor + account.unsent - account.floor_unsent + account.in_flight
+        if used + estimate > account.limit:
+            return False
+        account.admitted(estimate)
+        return True
 
     async def _sync_holds(self) -> None:
         """Tell Redis this gateway's spend and holds every `SYNC_S` while it holds or owes any."""

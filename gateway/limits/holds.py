@@ -57,6 +57,12 @@ class Account:
     """Estimates admitted lately (how fast this gateway spends)."""
     call: asyncio.Future[None] | None = None
     """The Redis call in flight on this account (one at a time), done when it is."""
+    floor: int | None = None
+    """While Redis is unreachable: the month's spend in PostgreSQL as last read (`Guard._hold_here`)."""
+    floor_at: float = 0.0
+    """When `floor` was read (`time.monotonic()`)."""
+    floor_unsent: int = 0
+    """`unsent` when `floor` was read: what was settled here since is not in it."""
 
     @property
     def hold(self) -> int:

@@ -31,7 +31,9 @@ from gateway.serving.tokens import estimate_prompt_tokens
 from gateway.settings import ModelPrice, Settings
 from tests.support.data import BASE, MESSAGES, SAYS_YES
 from tests.support.fixtures import gateway_fixture
+from tests.support.servers import RedisServer
 from tests.support.stack import Admin, GatewayServer, Services, Tenant, make_settings
+from tunegate.processes import free_port
 
 DOLLAR_PER_TOKEN = ModelPrice(input_per_million=1e6, output_per_million=1e6)
 
@@ -273,6 +275,79 @@ async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
         month = await redis.hgetall(month_key(org.org_id))
         assert int(month[b"spent"]) == to_micro(12.0) * served
         assert not [f for f in month if f.startswith((b"h:", b"x:"))], month
+
+
+async def test_rate_limits_hold_while_redis_is_gone(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """Redis stops between two requests of a key limited to 3 a minute: the guard goes on from the bucket's
+    last state in its own memory (one left, not three), then refuses with OpenAI's 429 and `retry-after`;
+    a key Redis never saw starts full. Nothing fails open."""
+    org = gw_admin.tenant("redis-gone-" + secrets.token_hex(3))
+    gw_admin.http.post(
+        f"/v1/admin/api_keys/{org.key_id}/limits", json={"max_requests_per_1_minute": 3}
+    ).raise_for_status()
+    redis_server = RedisServer(free_port(), tmp_path)
+    redis_server.start()
+    settings = _guard_settings(services, database, tmp_path)
+    try:
+        async with _pool_and_redis(database, redis_server.url) as (pool, redis):
+            guard = Guard(settings, pool, Buckets(redis))
+            for _ in range(2):
+                await guard.admit_request(org.org_id, org.key_id)
+            assert guard.buckets is not None and guard.buckets.failures == 0
+            redis_server.stop()
+            await guard.admit_request(org.org_id, org.key_id)
+            assert guard.buckets.failures == 1  # Redis was asked, and then left alone
+            with pytest.raises(RateLimited) as info:
+                await guard.admit_request(org.org_id, org.key_id)
+            assert int(info.value.headers["retry-after"]) >= 1
+            assert info.value.headers["x-ratelimit-remaining-requests"] == "0"
+            # Chats take from the same bucket; another key's bucket starts full.
+            with pytest.raises(RateLimited):
+                await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
+            other = gw_admin.tenant("redis-gone-other-" + secrets.token_hex(3))
+            adm = await guard.admit(other.org_id, other.key_id, BASE, 10, 5)
+            assert adm.headers["x-ratelimit-remaining-requests"] == "9999"
+            await guard.aclose()
+    finally:
+        redis_server.stop()
+
+
+async def test_budgets_hold_while_redis_is_unreachable(
+    gw_admin: Admin, services: Services, database: str, tmp_path: Path
+) -> None:
+    """With no Redis to be reached, a budget of ten estimates admits exactly ten of fifty concurrent requests
+    (the month's spend read from PostgreSQL, the requests in flight held in memory); settled requests free
+    what they did not use, and one more fits."""
+    org = gw_admin.tenant("budget-noredis-" + secrets.token_hex(3))
+    _set_budget(gw_admin, org, 150.0)  # at $1 a token: ten estimates of 15 tokens
+    settings = _guard_settings(
+        services,
+        database,
+        tmp_path,
+        prices={BASE: DOLLAR_PER_TOKEN},
+        default_requests_per_minute=0,
+        default_tokens_per_minute=0,
+    )
+    async with _pool_and_redis(database, f"redis://127.0.0.1:{free_port()}/0") as (pool, redis):
+        guard = Guard(settings, pool, Buckets(redis))
+
+        async def one() -> Any:
+            try:
+                return await guard.admit(org.org_id, org.key_id, BASE, 10, 5)
+            except InsufficientQuota:
+                return None
+
+        admitted = [a for a in await asyncio.gather(*(one() for _ in range(50))) if a is not None]
+        assert len(admitted) == 10
+        assert all(a.holds == [(month_key(org.org_id), to_micro(15.0))] for a in admitted)
+        for adm in admitted[:5]:
+            guard.settle(adm, 10, 2)  # $12 each instead of $15: $15 free again
+        assert await one() is not None
+        assert await one() is None
+        assert guard.buckets is not None and guard.buckets.failures >= 1
+        await guard.aclose()
 
 
 async def test_a_hold_that_is_not_renewed_stops_counting(
