@@ -122,12 +122,17 @@ async def list_episodes(
 
 
 async def retrieve(res: Resources, who: Principal, episode_id: str) -> EpisodeDetail:
-    row = await _episode(res, who, episode_id)
+    """The episode with its calls and rewards, read in one snapshot: a batch of calls written meanwhile is
+    in all three (its `last_call_at`, its calls) or in none."""
     org_id = who.organization_id
-    calls = await store.calls(res.pool, org_id=org_id, episode_id=episode_id)
-    rewards = await store.rewards(
-        res.pool, org_id=org_id, episode_id=episode_id, after=None, limit=None, descending=False
-    )
+    async with res.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+        row = await store.get(conn, org_id=org_id, episode_id=episode_id)
+        if row is None:
+            raise not_found("episode", episode_id, param="episode_id")
+        calls = await store.calls(conn, org_id=org_id, episode_id=episode_id)
+        rewards = await store.rewards(
+            conn, org_id=org_id, episode_id=episode_id, after=None, limit=None, descending=False
+        )
     return EpisodeDetail(
         **EpisodeDetail.fields_of(row),
         calls=[EpisodeCall.from_row(c) for c in calls],
