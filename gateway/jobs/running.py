@@ -75,6 +75,10 @@ WHERE j.id = $1 AND c.job_id = j.id AND c.step_number = $2 AND j.status = 'pause
 GUARDS_PAUSED = """
 SELECT DISTINCT split_part(dedup_key, ':', 2) AS name FROM fine_tuning_job_events
 WHERE job_id = $1 AND dedup_key LIKE 'guard_paused:%'"""
+EARLIER_METRICS = """
+SELECT data FROM fine_tuning_job_events
+WHERE job_id = $1 AND type = 'metrics' AND (data ->> 'step')::int < $2
+ORDER BY (data ->> 'step')::int"""
 QUEUED_UNCLAIMED = """
 SELECT id, queue_generation FROM fine_tuning_jobs WHERE status = 'queued' AND worker_id IS NULL
 ORDER BY queued_at LIMIT 1000"""
@@ -180,6 +184,11 @@ async def resume_from_step(conn: Conn, *, job_id: str, step: int) -> None:
 async def guards_paused(conn: Conn, *, job_id: str) -> set[str]:
     """The guards that paused an attempt of the job (their events say so)."""
     return {r["name"] for r in await conn.fetch(GUARDS_PAUSED, job_id)}
+
+
+async def metrics_before(conn: Conn, *, job_id: str, step: int) -> list[dict[str, Any]]:
+    """The data of the job's metrics events of the steps before `step` (earlier attempts'), oldest first."""
+    return [r["data"] for r in await conn.fetch(EARLIER_METRICS, job_id, step)]
 
 
 async def file_blob_key(conn: Conn, *, file_id: str, org_id: str) -> str | None:

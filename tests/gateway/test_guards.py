@@ -7,6 +7,7 @@ event that gives the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -19,10 +20,15 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.blobstore import BlobStore
+from gateway.db import create_pool
 from gateway.errors import InvalidRequest
 from gateway.jobs import guards as job_guards
+from gateway.jobs import store as jobs_store
+from gateway.worker.context import JobContext
 from gateway.worker.job import guards
 from gateway.worker.job.guards import GUARD_PAUSED, GUARD_WARNING
+from gateway.worker.job.ingest import Progress
 from tests.support.data import BASE, RFT, SFT
 from tests.support.fixtures import worker_fixture
 from tests.support.jobs import (
@@ -33,7 +39,7 @@ from tests.support.jobs import (
     wait_for,
     wait_trainer_gone,
 )
-from tests.support.stack import Services, Tenant, WorkerProcess, admin_of, start_gateway
+from tests.support.stack import GatewayServer, Services, Tenant, WorkerProcess, admin_of, start_gateway
 from tunegate.services import scratch_database
 
 ESTIMATE = "/fine_tuning/jobs/estimate"
@@ -352,6 +358,46 @@ def _too_high(
         method={"type": "supervised", "supervised": {"hyperparameters": hp}},
         extra_body={"guards": guards_given or {}},
     )
+
+
+async def test_a_resumed_attempt_judges_the_steps_it_kept(
+    guard_worker: WorkerProcess, stack: GatewayServer, tenant: Tenant
+) -> None:
+    """The guards of a job's second attempt read the steps its first one trained: a loss and gradient norm
+    that are many times the one step of the new attempt before them, but ordinary for the run, pause
+    nothing (on that one step alone they would)."""
+    job = tenant.client.fine_tuning.jobs.create(
+        model=BASE,
+        training_file=upload_rows(tenant, SFT),
+        method={"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 1, "max_steps": 4}}},
+    )
+    assert wait_for(tenant, job.id, ("succeeded", "failed", "cancelled"), timeout=120).status == "succeeded"
+    kept = [(m["step"], m["train_loss"], m["grad_norm"]) for m in metrics(tenant, job.id)]
+    assert [k[0] for k in kept] == [1, 2, 3, 4] and all(k[1] > 0 and k[2] > 0 for k in kept), kept
+    first_loss, norms = kept[0][1], sorted(k[2] for k in kept)
+    # Step 5 learned its row (tiny numbers); step 6 is an ordinary step of the run.
+    tiny = {"step": 5, "train_loss": first_loss / 1000, "grad_norm": norms[0] / 1000}
+    ordinary = {"step": 6, "train_loss": first_loss / 2, "grad_norm": norms[len(norms) // 2]}
+    paused: list[str] = []
+
+    async def pause(message: str, reason: str, data: dict[str, Any]) -> bool:
+        paused.append(message)
+        return True
+
+    pool = await create_pool(stack.settings.database_url, min_size=1, max_size=1)
+    try:
+        row = await jobs_store.get(pool, org_id=tenant.org_id, job_id=job.id)
+        assert row is not None
+        for attempt, fires in ((2, False), (1, True)):
+            this = dataclasses.replace(row, attempts=attempt)
+            ctx = JobContext(this, "w", pool, BlobStore(stack.settings.blob_dir), stack.settings)
+            judge = guards.Guards(ctx, progress=Progress(step=4, start_step=4), pause=pause)
+            assert await judge.on_metrics(dict(tiny)) is False
+            assert await judge.on_metrics(dict(ordinary)) is fires, paused
+            assert [p["step"] for p in judge.points] == ([1, 2, 3, 4, 5, 6] if attempt == 2 else [5, 6])
+    finally:
+        await pool.close()
+    assert len(paused) == 1 and "explosion" in paused[0]
 
 
 @pytest.mark.slow

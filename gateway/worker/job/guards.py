@@ -1,9 +1,10 @@
 """Guards while a job trains: the signals, as pure functions over the metrics the trainer reported, and the
 hook that acts on them (`Guards`).
 
-Each signal function takes this attempt's metrics points so far (the `data` of its `metrics` events, oldest
-first, the newest the step just reported) and a guard's settings (`gateway.jobs.guards`), and returns a
-`Signal` with the numbers behind it when the guard fires, else None. The hang is not a metric: `hang` is
+Each signal function takes the run's metrics points so far (the `data` of its `metrics` events, oldest
+first, the newest the step just reported; a resumed job's include the steps its checkpoint kept) and a
+guard's settings (`gateway.jobs.guards`), and returns a `Signal` with the numbers behind it when the guard
+fires, else None. The hang is not a metric: `hang` is
 checked by the heartbeat, on the time since the trainer last reported anything.
 
 The worker (`gateway.worker.runner`) calls `Guards.on_metrics` for every metrics event and `Guards.on_beat`
@@ -312,8 +313,13 @@ class Guards:
         """A rollback's checkpoint step, set on the job once the trainer has gone (`roll_back`)."""
 
     async def on_metrics(self, data: dict[str, Any]) -> bool:
-        """Evaluate the guards on a step's metrics; True when one paused the job."""
-        if self.points and self.points[-1].get("step") == data.get("step"):
+        """Evaluate the guards on a step's metrics; True when one paused the job. A resumed job's guards
+        judge the steps it kept from its earlier attempts too (running medians and baselines are the run's,
+        not one or two steps')."""
+        step = data.get("step")
+        if not self.points and self.ctx.row.attempts > 1 and isinstance(step, int):
+            self.points = await running.metrics_before(self.ctx.pool, job_id=self.ctx.id, step=step)
+        if self.points and self.points[-1].get("step") == step:
             self.points[-1] = data  # the same event again (its recording was retried)
         else:
             self.points.append(data)
