@@ -124,6 +124,18 @@ def _guard_settings(services: Services, database: str, tmp_path: Path, **extra: 
     )
 
 
+def _budget_settings(services: Services, database: str, tmp_path: Path) -> Settings:
+    """Guards' settings where a token costs $1 and keys have no rate limits: only budgets refuse."""
+    return _guard_settings(
+        services,
+        database,
+        tmp_path,
+        prices={BASE: DOLLAR_PER_TOKEN},
+        default_requests_per_minute=0,
+        default_tokens_per_minute=0,
+    )
+
+
 def _set_budget(admin: Admin, org: Tenant, usd: float) -> None:
     admin.http.post(
         f"/v1/admin/organizations/{org.org_id}/billing", json={"monthly_budget_usd": usd}
@@ -253,14 +265,7 @@ async def test_budget_leases_admit_locally_and_two_gateways_never_overspend(
     org = gw_admin.tenant("budget-lease-" + secrets.token_hex(3))
     budget_usd = 3000.0  # at $1 a token: 200 estimates of 15 tokens, 250 answers of 12
     _set_budget(gw_admin, org, budget_usd)
-    settings = _guard_settings(
-        services,
-        database,
-        tmp_path,
-        prices={BASE: DOLLAR_PER_TOKEN},
-        default_requests_per_minute=0,
-        default_tokens_per_minute=0,
-    )
+    settings = _budget_settings(services, database, tmp_path)
     async with _pool_and_redis(database, services.redis_url) as (pool, redis):
         guards = [Guard(settings, pool, Buckets(redis)) for _ in range(2)]
         calls_before = await _script_calls(redis)
@@ -322,14 +327,7 @@ async def test_budgets_hold_while_redis_is_unreachable(
     what they did not use, and one more fits."""
     org = gw_admin.tenant("budget-noredis-" + secrets.token_hex(3))
     _set_budget(gw_admin, org, 150.0)  # at $1 a token: ten estimates of 15 tokens
-    settings = _guard_settings(
-        services,
-        database,
-        tmp_path,
-        prices={BASE: DOLLAR_PER_TOKEN},
-        default_requests_per_minute=0,
-        default_tokens_per_minute=0,
-    )
+    settings = _budget_settings(services, database, tmp_path)
     async with _pool_and_redis(database, f"redis://127.0.0.1:{free_port()}/0") as (pool, redis):
         guard = Guard(settings, pool, Buckets(redis))
 
