@@ -5,9 +5,10 @@ slow to answer within the client's timeout: `buckets.make_limits_redis`), `Bucke
 `DOWN_FOR_S` and the guard takes from these buckets instead of letting every request through. Each bucket
 here starts from the last state Redis reported for it (`seen`), goes on refilling at the same rate, and is
 checked all-or-nothing as the script does: a hiccup mid-minute neither refills a bucket nor empties it, and
-a flood while Redis is away is refused at the same rate as before. With several gateways each keeps its own
-copy, so together they may admit up to their number of times the limit until Redis answers again; what they
-take here is not told to Redis. Budgets have the same fallback in the guard (`Guard._hold_here`).
+a flood while Redis is away is refused at the same rate as before. What is taken here is owed to Redis and
+taken there once it answers again (`owed`). With several gateways each keeps its own copy, so together they
+may admit up to their number of times the limit until Redis is back. Budgets have the same fallback in the
+guard (`Guard._hold_here`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,19 @@ class LocalBuckets:
 
     def __init__(self) -> None:
         self._buckets: dict[str, _Bucket] = {}
+        self._owed: dict[str, tuple[int, int]] = {}
+        """Taken here and not yet from Redis: bucket key -> (capacity, amount)."""
 
     def _room(self, n: int) -> None:
         if len(self._buckets) + n > MAX_BUCKETS:
             self._buckets.clear()
+            self._owed.clear()
+
+    def owed(self) -> list[tuple[str, int, int]]:
+        """What was taken here since Redis last answered, `(key, capacity, amount)` per bucket, forgotten
+        here once asked for (the caller takes it from Redis)."""
+        owed, self._owed = self._owed, {}
+        return [(key, cap, amount) for key, (cap, amount) in owed.items()]
 
     def seen(self, checks: list[tuple[str, int, int]], states: list[BucketState]) -> None:
         """What Redis said of `checks`' buckets `(key, capacity, cost)` after taking from them."""
@@ -68,6 +78,7 @@ class LocalBuckets:
         for (key, cap, cost), level in zip(checks, levels, strict=True):
             if allowed:
                 level -= min(cost, cap)
+                self._owed[key] = (cap, self._owed.get(key, (cap, 0))[1] + min(cost, cap))
             self._buckets[key] = _Bucket(level, now)
             full_ms = math.ceil((cap - level) / (cap / 60_000.0))
             states.append(BucketState(limit=cap, remaining=int(max(0.0, level)), reset_ms=full_ms))

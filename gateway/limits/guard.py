@@ -327,6 +327,8 @@ class Guard:
             if taken is None:
                 return None
             self.own_buckets.seen(checks, taken.buckets)
+            for key, cap, amount in self.own_buckets.owed():  # Redis is back: what was taken meanwhile
+                self._queue_adjust(key, cap, amount)
             if not taken.allowed:
                 return taken
             states = self.leases.granted(checks, taken.buckets, taken.leased, now, top_up=top_up)

@@ -23,7 +23,14 @@ from redis.asyncio import Redis
 from gateway.db import create_pool
 from gateway.errors import InsufficientQuota, RateLimited
 from gateway.limits import store as limits_store
-from gateway.limits.buckets import Buckets, bucket_key, make_limits_redis, month_key, to_micro
+from gateway.limits.buckets import (
+    DOWN_FOR_S,
+    Buckets,
+    bucket_key,
+    make_limits_redis,
+    month_key,
+    to_micro,
+)
 from gateway.limits.guard import Guard
 from gateway.limits.headers import KINDS, UNLIMITED
 from gateway.limits.leases import LEASE_TTL_S
@@ -287,7 +294,8 @@ async def test_rate_limits_hold_while_redis_is_gone(
 ) -> None:
     """Redis stops between two requests of a key limited to 3 a minute: the guard goes on from the bucket's
     last state in its own memory (one left, not three), then refuses with OpenAI's 429 and `retry-after`;
-    a key Redis never saw starts full. Nothing fails open."""
+    a key Redis never saw starts full. Nothing fails open; what was taken meanwhile is taken from Redis once
+    it answers again."""
     org = gw_admin.tenant("redis-gone-" + secrets.token_hex(3))
     gw_admin.http.post(
         f"/v1/admin/api_keys/{org.key_id}/limits", json={"max_requests_per_1_minute": 3}
@@ -314,6 +322,16 @@ async def test_rate_limits_hold_while_redis_is_gone(
             other = gw_admin.tenant("redis-gone-other-" + secrets.token_hex(3))
             adm = await guard.admit(other.org_id, other.key_id, BASE, 10, 5)
             assert adm.headers["x-ratelimit-remaining-requests"] == "9999"
+            # A new Redis (empty) once the guard asks again: it is told the request taken meanwhile, so the
+            # key's new bucket of 3 admits two more requests, not three.
+            redis_server.start()
+            await asyncio.sleep(DOWN_FOR_S + 0.2)
+            await guard.admit_request(org.org_id, org.key_id)
+            await asyncio.sleep(0.2)  # what is owed is sent a few milliseconds after
+            await guard.admit_request(org.org_id, org.key_id)
+            assert guard.buckets.failures == 1
+            with pytest.raises(RateLimited):
+                await guard.admit_request(org.org_id, org.key_id)
             await guard.aclose()
     finally:
         redis_server.stop()
