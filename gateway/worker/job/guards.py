@@ -4,8 +4,8 @@ hook that acts on them (`Guards`).
 Each signal function takes the run's metrics points so far (the `data` of its `metrics` events, oldest
 first, the newest the step just reported; a resumed job's include the steps its checkpoint kept) and a
 guard's settings (`gateway.jobs.guards`), and returns a `Signal` with the numbers behind it when the guard
-fires, else None. The hang is not a metric: `hang` is
-checked by the heartbeat, on the time since the trainer last reported anything.
+fires, else None. The hang is not a metric: `hang` is checked by the heartbeat, on the time since the trainer
+last reported anything.
 
 The worker (`gateway.worker.runner`) calls `Guards.on_metrics` for every metrics event and `Guards.on_beat`
 each heartbeat. A firing guard acts once an attempt: `warn` adds an event (level `warn`); `pause` pauses the
