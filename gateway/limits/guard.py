@@ -433,11 +433,7 @@ class Guard:
         if account.floor is None or now - account.floor_at > DOWN_FOR_S:
             account.floor = await self._seed(account)
             account.floor_at, account.floor_unsent = now, account.unsent
-        used = account.floor + account.unsent - account.floor_unsent + account.in_flight
-        if used + estimate > account.limit:
-            return False
-        account.admitted(estimate)
-        return True
+        return account.fits_alone(estimate)
 
     async def _sync_holds(self) -> None:
         """Tell Redis this gateway's spend and holds every `SYNC_S` while it holds or owes any."""

@@ -82,6 +82,15 @@ class Account:
         self.admitted(estimate)
         return True
 
+    def fits_alone(self, estimate: int) -> bool:
+        """Redis unreachable: admit `estimate` when it fits the limit beside `floor` (the month's spend in
+        PostgreSQL), what was settled here since it was read and the requests in flight; False when not."""
+        used = (self.floor or 0) + self.unsent - self.floor_unsent + self.in_flight
+        if used + estimate > self.limit:
+            return False
+        self.admitted(estimate)
+        return True
+
     def admitted(self, estimate: int) -> None:
         self.in_flight += estimate
         self.demand.cost += estimate
