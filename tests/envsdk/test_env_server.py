@@ -530,12 +530,17 @@ def test_a_request_reaches_only_its_own_organisation_s_state(
     with pytest.raises(SandboxError) as lost:
         remote_b.gather([remote_b.submit("resume", {"episode_id": episode})])
     assert lost.value.code == "episode_lost"
+
     # the registrations B's trainer reads list none of A's packages (each heartbeat writes them)
+    def listed() -> list[list[list[str]]]:
+        return [
+            [r.packages for r in live_servers(redis_client, pool, o).values()] for o in ("org-aaa", "org-bbb")
+        ]
+
     deadline = time.monotonic() + 10
-    while [r.packages for r in live_servers(redis_client, pool, "org-aaa").values()] != [[remote_a.package]]:
-        assert time.monotonic() < deadline
+    while (seen := listed()) != [[[remote_a.package]], [[remote_b.package]]]:  # both heartbeats written
+        assert time.monotonic() < deadline, seen
         time.sleep(0.1)
-    assert [r.packages for r in live_servers(redis_client, pool, "org-bbb").values()] == [[remote_b.package]]
     # a package named by a path, to reach A's unpacked copy on the server (A's sandbox is open), is refused
     answer = probe(redis_client, pool, "org-bbb", server_id, f"../org-aaa/{remote_a.package}")
     assert answer["error"] == {
