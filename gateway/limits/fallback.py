@@ -46,6 +46,8 @@ class LocalBuckets:
     def owed(self) -> list[tuple[str, int, int]]:
         """What was taken here since Redis last answered, `(key, capacity, amount)` per bucket, forgotten
         here once asked for (the caller takes it from Redis)."""
+        if not self._owed:  # every Redis call asks: most find nothing owed
+            return []
         owed, self._owed = self._owed, {}
         return [(key, cap, amount) for key, (cap, amount) in owed.items()]
 
